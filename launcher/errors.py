@@ -1,0 +1,35 @@
+"""One kind of user-facing error: a cause and a fix, printed the same way on every rank."""
+
+from __future__ import annotations
+
+import sys
+
+
+class LaunchError(Exception):
+    """An error the user can fix: ``message`` names the cause, ``hint`` the fix.
+
+    Entry points catch it, print it without a traceback and exit with ``EXIT_USER_ERROR``.
+    """
+
+    def __init__(self, message: str, hint: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+    def __str__(self) -> str:
+        text = f"error: {self.message}"
+        if self.hint:
+            text += f"\nHINT: {self.hint}"
+        return text
+
+
+#: exit status for errors the user can fix (bad input, bad environment)
+EXIT_USER_ERROR = 2
+
+
+def report_and_exit(error: LaunchError, rank: int | None = None) -> None:
+    """Print ``error`` on stderr, prefixed with the rank when known, and exit non-zero."""
+    prefix = f"[rank {rank}] " if rank is not None else ""
+    for line in str(error).splitlines():
+        print(f"{prefix}{line}", file=sys.stderr, flush=True)
+    sys.exit(EXIT_USER_ERROR)
