@@ -26,6 +26,10 @@ class LaunchError(Exception):
 #: exit status for errors the user can fix (bad input, bad environment)
 EXIT_USER_ERROR = 2
 
+#: exit status after a preemption signal was handled and a checkpoint saved: sysexits'
+#: EX_TEMPFAIL ("try again later"); batch scripts turn it into ``scontrol requeue``
+EXIT_PREEMPTED = 75
+
 
 def report_and_exit(error: LaunchError, rank: int | None = None) -> None:
     """Print ``error`` on stderr, prefixed with the rank when known, and exit non-zero."""

@@ -1,0 +1,1 @@
+"""Host-side tasks for invoke: pure command-line builders plus thin task wrappers."""

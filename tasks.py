@@ -1,0 +1,13 @@
+"""invoke tasks: `invoke --list` shows them; `invoke --help TASK` documents each parameter.
+
+The tasks are thin: each command line is built by a small pure function in ``ddp_tasks``
+so that tests can compare it exactly (golden files).
+"""
+
+from invoke import Collection
+
+from ddp_tasks import dev
+
+ns = Collection()
+for task in dev.TASKS:
+    ns.add_task(task)
