@@ -1,0 +1,187 @@
+"""Where this process is in the job: the one place that reads the launch environment.
+
+``detect_environment()`` reads ``os.environ`` (or a given mapping) and never communicates: no MPI
+init, no torch. ``python -m launcher.env [--json]`` prints what it found. Launcher precedence
+and the variables read are in ``launcher.detectors`` and docs/environment.md.
+
+Rendezvous address and port: ``MASTER_ADDR``/``MASTER_PORT`` win when set; torchrun sets them;
+under Slurm the step's first host and a port derived from the job and step ids
+(``launcher.detectors.slurm_port``); under mpirun/mpiexec both stay ``None`` and
+``launcher.rendezvous`` has rank 0 pick and broadcast them; a single process uses 127.0.0.1 and
+a free port picked at start-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import signal
+import socket
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from launcher.detectors import Slurm, detect_launcher, read_int
+from launcher.errors import LaunchError, report_and_exit
+
+#: signals that cannot be caught, so cannot announce a preemption
+_UNCATCHABLE = {"KILL", "STOP"}
+
+
+@dataclass(frozen=True)
+class JobEnv:
+    launcher: str  # "torchrun" | "openmpi" | "mvapich" | "hydra" | "slurm" | "pals" | "single"
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    node_rank: int
+    num_nodes: int
+    master_addr: str | None  # None = decided at start-up: rank 0's address broadcast over MPI
+    master_port: int | None  # None = decided at start-up: a free port picked by rank 0
+    hostname: str
+    hosts: tuple[str, ...] = ()  # node list when the launcher tells it (Slurm), else ()
+    job_id: str | None = None
+    visible_devices: str | None = None  # CUDA_VISIBLE_DEVICES as given
+    image: str | None = None  # DDP_IMAGE: identity of the project's container image
+    preempt_signal: str = "USR1"  # DDP_PREEMPT_SIGNAL, a name without "SIG"
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def parse_signal(value: str, variable: str = "DDP_PREEMPT_SIGNAL") -> str:
+    """``USR1``, ``SIGUSR1`` or ``usr1`` -> ``"USR1"``; anything else raises LaunchError."""
+    name = value.strip().upper().removeprefix("SIG")
+    if name in _UNCATCHABLE or not hasattr(signal.Signals, f"SIG{name}"):
+        raise LaunchError(
+            f"{variable}={value!r} is not a signal this process can catch",
+            hint=f"set {variable} to a signal name such as USR1, USR2 or TERM, the one your "
+            "scheduler sends before preemption (sbatch --signal=B:USR1@120)",
+        )
+    return name
+
+
+def _master_port(environ: Mapping[str, str]) -> int | None:
+    if not environ.get("MASTER_PORT", "").strip():
+        return None
+    port = read_int(environ, "MASTER_PORT", "rendezvous", minimum=1)
+    if port > 65535:
+        raise LaunchError(
+            f"MASTER_PORT={environ['MASTER_PORT']!r} is not a TCP port (1-65535)",
+            hint="unset MASTER_PORT to let the launcher choose one, or pick a free port "
+            "such as 29500",
+        )
+    return port
+
+
+def visible_device_count(visible_devices: str | None) -> int | None:
+    """How many GPUs CUDA_VISIBLE_DEVICES lists; None when it is unset (no restriction)."""
+    if visible_devices is None:
+        return None
+    count = 0
+    for entry in visible_devices.split(","):
+        entry = entry.strip()
+        # CUDA stops at the first invalid entry; Slurm writes NoDevFiles when no GPU was given
+        if not entry or entry.startswith("-") or entry == "NoDevFiles":
+            break
+        count += 1
+    return count
+
+
+def check_local_device(env: JobEnv, device_count: int | None = None) -> None:
+    """Refuse a local rank with no GPU of its own, for runs that put one rank on each GPU.
+
+    ``device_count`` defaults to the entries of CUDA_VISIBLE_DEVICES. One visible device is
+    accepted for any local rank: per-task binding (``srun --gpus-per-task=1``) shows each task
+    its own GPU as device 0. Called by the code that picks the device, not by
+    ``detect_environment``: a CPU run may ignore CUDA_VISIBLE_DEVICES.
+    """
+    if device_count is None:
+        device_count = visible_device_count(env.visible_devices)
+    if device_count is None or device_count <= 1 or env.local_rank < device_count:
+        return
+    raise LaunchError(
+        f"{env.launcher}: local rank {env.local_rank} has no GPU: CUDA_VISIBLE_DEVICES="
+        f"{env.visible_devices!r} shows {device_count} devices for {env.local_world_size} "
+        "ranks on this node",
+        hint=f"start at most {device_count} ranks per node (e.g. mpiexec -ppn {device_count}, "
+        f"srun --ntasks-per-node={device_count}, torchrun --nproc-per-node={device_count}), "
+        "or make more GPUs visible",
+    )
+
+
+def detect_environment(
+    environ: Mapping[str, str] | None = None, hostname: str | None = None
+) -> JobEnv:
+    """This process's place in the job, read from ``environ`` (default: ``os.environ``)."""
+    if environ is None:
+        environ = os.environ
+    detector, placement = detect_launcher(environ)
+    master_addr = environ.get("MASTER_ADDR", "").strip() or placement.master_addr
+    master_port = _master_port(environ) or placement.master_port
+    return JobEnv(
+        launcher=detector.name,
+        rank=placement.rank,
+        world_size=placement.world_size,
+        local_rank=placement.local_rank,
+        local_world_size=placement.local_world_size,
+        node_rank=placement.node_rank,
+        num_nodes=placement.num_nodes,
+        master_addr=master_addr,
+        master_port=master_port,
+        hostname=hostname or socket.gethostname(),
+        hosts=placement.hosts,
+        job_id=placement.job_id,
+        visible_devices=environ.get("CUDA_VISIBLE_DEVICES"),
+        image=environ.get("DDP_IMAGE") or None,
+        preempt_signal=parse_signal(environ.get("DDP_PREEMPT_SIGNAL", "USR1")),
+    )
+
+
+def describe(env: JobEnv, environ: Mapping[str, str]) -> str:
+    """A human table of ``env``, with a note when the allocation is not being used."""
+    rows = dataclasses.asdict(env)
+    rows["hosts"] = ",".join(env.hosts) or "-"
+    width = max(len(key) for key in rows)
+    lines = [f"{key:<{width}}  {'-' if value is None else value}" for key, value in rows.items()]
+    if env.launcher == "single" and Slurm.job_id(environ) is not None:
+        lines.append(
+            "note: inside Slurm job "
+            f"{Slurm.job_id(environ)} but not a task of a step (batch script or salloc "
+            "shell): one process. Start tasks with srun."
+        )
+    if env.master_addr is None or env.master_port is None:
+        lines.append("note: missing rendezvous address/port are chosen by rank 0 at start-up")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m launcher.env",
+        description="Print where this process is in the job, without communicating.",
+    )
+    parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    args = parser.parse_args(argv)
+    try:
+        env = detect_environment()
+    except LaunchError as error:
+        report_and_exit(error)
+    if args.json:
+        record = dataclasses.asdict(env)
+        record.update(is_main=env.is_main, is_distributed=env.is_distributed)
+        print(json.dumps(record, sort_keys=True), flush=True)
+    else:
+        print(describe(env, os.environ), flush=True)
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()
