@@ -1,0 +1,524 @@
+"""A torch.distributed backend on mpi4py, for PyPI wheels of PyTorch built without MPI.
+
+Stock wheels answer ``init_process_group("mpi")`` with "Distributed package doesn't have MPI
+built in". This module registers a Python process group named ``mpi4py`` that runs every
+collective DDP and users call over MPI through mpi4py:
+
+    from launcher import mpi_backend
+    from mpi4py import MPI
+    name = mpi_backend.register()          # idempotent, returns BACKEND_NAME
+    dist.init_process_group(name, store=dist.HashStore(),
+                            rank=MPI.COMM_WORLD.rank, world_size=MPI.COMM_WORLD.size,
+                            timeout=datetime.timedelta(minutes=10))
+
+The store is not used (any store will do; ``HashStore`` needs no network). The world is
+``MPI.COMM_WORLD``: rank and world size must equal MPI's, otherwise every rank raises
+``LaunchError``. Each process group gets its own communicator, so groups never match each
+other's messages: the world group a ``Dup`` of COMM_WORLD, ``dist.new_group(ranks)`` a
+``Create_group`` over those ranks (ranks of the default group, which must be MPI's ranks; the
+default group may be another backend, e.g. gloo, launched with MPI's rank and size).
+
+Semantics and strategies:
+
+* Ops run to completion inside the call (``async_op=True`` returns a finished Work), so DDP gets
+  no overlap of communication with backward; send/recv/isend/irecv are truly non-blocking
+  (``Isend``/``Irecv``; ``Work.wait`` waits on the request).
+* Timeouts: every op, collective and point-to-point, is started non-blocking and polled against
+  the group's timeout. On expiry it raises ``LaunchError`` naming the op and the peer(s); the
+  MPI operation cannot be cancelled, so the process then calls ``MPI_Abort`` at exit rather than
+  hang in ``MPI_Finalize``.
+* Dtypes: float32/64, int8/16/32/64, uint8/16/32/64, bool, complex64/128 map to MPI types.
+  float16/bfloat16 have no MPI type: data movement sends raw 16-bit words; reductions are
+  computed in float32 and rounded back once, so results can differ from gloo (which rounds
+  after every addition) in the last bit.
+* bool reductions are logical (SUM/MAX/BOR -> or, PRODUCT/MIN/BAND -> and, BXOR -> xor).
+  AVG is SUM divided by the group size, for floating and complex dtypes only. PREMUL_SUM is
+  not supported.
+* Memory: contiguous CPU tensors are handed to MPI by address, without copies; non-contiguous
+  tensors are copied to contiguous ones and back. CUDA tensors go to MPI by device pointer when
+  the MPI library says it is CUDA-aware (``MPI.Query_cuda_support()``, mpi4py >= 4.2 only),
+  else they are staged through host memory.
+* Threads: DDP calls collectives from autograd threads. Unless MPI provides
+  ``MPI_THREAD_MULTIPLE``, every MPI call is serialised with a lock.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import threading
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from mpi4py import MPI
+from torch._C._distributed_c10d import _create_work_from_future
+
+from launcher.errors import LaunchError
+
+BACKEND_NAME = "mpi4py"
+
+_RedOp = dist.ReduceOp.RedOpType
+
+#: torch dtype -> MPI datatype for data movement; 16-bit floats move as raw words
+_DATATYPES = {
+    torch.float32: MPI.FLOAT,
+    torch.float64: MPI.DOUBLE,
+    torch.float16: MPI.UINT16_T,
+    torch.bfloat16: MPI.UINT16_T,
+    torch.complex64: MPI.C_FLOAT_COMPLEX,
+    torch.complex128: MPI.C_DOUBLE_COMPLEX,
+    torch.int8: MPI.INT8_T,
+    torch.int16: MPI.INT16_T,
+    torch.int32: MPI.INT32_T,
+    torch.int64: MPI.INT64_T,
+    torch.uint8: MPI.UINT8_T,
+    torch.uint16: MPI.UINT16_T,
+    torch.uint32: MPI.UINT32_T,
+    torch.uint64: MPI.UINT64_T,
+    torch.bool: MPI.C_BOOL,
+}
+_HALF = (torch.float16, torch.bfloat16)
+
+_ARITHMETIC = {_RedOp.SUM: MPI.SUM, _RedOp.AVG: MPI.SUM, _RedOp.PRODUCT: MPI.PROD,
+               _RedOp.MIN: MPI.MIN, _RedOp.MAX: MPI.MAX}
+_BITWISE = {_RedOp.BAND: MPI.BAND, _RedOp.BOR: MPI.BOR, _RedOp.BXOR: MPI.BXOR}
+_LOGICAL = {_RedOp.SUM: MPI.LOR, _RedOp.MAX: MPI.LOR, _RedOp.BOR: MPI.LOR,
+            _RedOp.PRODUCT: MPI.LAND, _RedOp.MIN: MPI.LAND, _RedOp.BAND: MPI.LAND,
+            _RedOp.BXOR: MPI.LXOR}
+
+_CPU = torch.device("cpu")
+
+
+def register() -> str:
+    """Register the backend with torch for cpu and cuda tensors; safe to call again."""
+    if BACKEND_NAME not in dist.Backend.backend_list:
+        dist.Backend.register_backend(
+            BACKEND_NAME, _create, extended_api=True, devices=["cpu", "cuda"]
+        )
+    return BACKEND_NAME
+
+
+def _cuda_aware() -> bool:
+    query = getattr(MPI, "Query_cuda_support", None)
+    return bool(query and query())
+
+
+def _reduction(dtype: torch.dtype, op) -> tuple[MPI.Op, torch.dtype]:
+    """The MPI op for ``op`` on ``dtype`` and the dtype to compute in."""
+    kind = op.op if isinstance(op, dist.ReduceOp) else op
+    if dtype == torch.bool:
+        table, compute = _LOGICAL, dtype
+    elif dtype.is_floating_point or dtype.is_complex:
+        table, compute = _ARITHMETIC, torch.float32 if dtype in _HALF else dtype
+        if dtype.is_complex and kind in (_RedOp.MIN, _RedOp.MAX):
+            table = {}
+    else:
+        table, compute = {**_ARITHMETIC, **_BITWISE}, dtype
+        table.pop(_RedOp.AVG)
+    if kind not in table:
+        raise LaunchError(
+            f"the {BACKEND_NAME} backend cannot reduce {dtype} tensors with ReduceOp.{kind.name}",
+            "use SUM/PRODUCT/MIN/MAX, AVG only for floating dtypes, BAND/BOR/BXOR only for "
+            "integer and bool dtypes, no MIN/MAX for complex; cast the tensor if needed",
+        )
+    return table[kind], compute
+
+
+def _addressable(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``t`` as a contiguous tensor MPI can read by address: ``t`` itself when it already is."""
+    if t.is_cpu and (dtype is None or dtype == t.dtype) and t.is_contiguous():
+        return t
+    if t.is_cuda and _cuda_aware():
+        out = t.detach().to(dtype=dtype, memory_format=torch.contiguous_format)
+        torch.cuda.current_stream(t.device).synchronize()
+        return out
+    return t.detach().to(device=_CPU, dtype=dtype, memory_format=torch.contiguous_format)
+
+
+def _spec(t: torch.Tensor, blocks: int = 1) -> list:
+    """An mpi4py buffer spec over the memory of contiguous ``t``, without a copy.
+
+    MPI counts gather/scatter buffers per rank: ``blocks`` splits ``t`` into that many.
+    """
+    n = t.numel()
+    return [MPI.buffer.fromaddress(t.data_ptr(), n * t.element_size()), n // blocks,
+            _DATATYPES[t.dtype]]
+
+
+def _write_back(dst: torch.Tensor, src: torch.Tensor) -> None:
+    if src is not dst:
+        dst.detach().copy_(src)
+
+
+def _flat(tensors: list[torch.Tensor], dtype: torch.dtype | None = None) -> torch.Tensor:
+    """One contiguous CPU tensor holding ``tensors`` back to back (a copy)."""
+    dtype = dtype or tensors[0].dtype
+    return torch.cat([t.detach().reshape(-1).to(device=_CPU, dtype=dtype) for t in tensors])
+
+
+def _unflat(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+    offset = 0
+    for t in tensors:
+        n = t.numel()
+        t.detach().copy_(flat[offset:offset + n].view(t.shape))
+        offset += n
+
+
+def _done(result) -> dist.Work:
+    fut = torch.futures.Future()
+    fut.set_result(result)
+    return _create_work_from_future(fut)
+
+
+class _RequestWork(dist._Work):
+    """A pending point-to-point request; ``wait`` polls it against the group's timeout."""
+
+    def __init__(self, pg: MPIProcessGroup, request: MPI.Request, what: str,
+                 buf: torch.Tensor, tensor: torch.Tensor | None):
+        super().__init__()
+        self._pg, self._request, self._what = pg, request, what
+        # buf must outlive the request; tensor (a receive's target) gets buf's data at the end
+        self._buf, self._tensor = buf, tensor
+        self._status = MPI.Status()
+        self._finished = False
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        if not self._finished:
+            self._pg._wait(self._request, self._what, self._status)
+            if self._tensor is not None:
+                _write_back(self._tensor, self._buf)
+            self._finished = True
+        return True
+
+    def is_completed(self) -> bool:
+        if not self._finished:
+            with self._pg._lock:
+                done = self._request.Test(self._status)
+            if done:
+                self.wait()
+        return self._finished
+
+    def is_success(self) -> bool:
+        return self.is_completed()
+
+    def get_future(self) -> torch.futures.Future:
+        self.wait()
+        fut = torch.futures.Future()
+        fut.set_result([self._tensor if self._tensor is not None else self._buf])
+        return fut
+
+    def _source_rank(self) -> int:
+        self.wait()
+        return self._status.Get_source()
+
+    def source_rank(self) -> int:
+        return self._source_rank()
+
+
+_abort_at_exit_registered = False
+
+
+def _abort_at_exit() -> None:
+    """A timed-out MPI op can't be cancelled and would hang MPI_Finalize: abort instead."""
+    global _abort_at_exit_registered
+    if not _abort_at_exit_registered:
+        _abort_at_exit_registered = True
+        atexit.register(MPI.COMM_WORLD.Abort, 1)
+
+
+class MPIProcessGroup(dist.ProcessGroup):
+    """A process group whose ops run on one MPI communicator (see the module docstring)."""
+
+    def __init__(self, comm: MPI.Intracomm, timeout: timedelta):
+        super().__init__(comm.rank, comm.size)
+        self._comm = comm
+        self._rank_ = comm.rank
+        self._size_ = comm.size
+        self._timeout_s = timeout.total_seconds()
+        multiple = MPI.Query_thread() >= MPI.THREAD_MULTIPLE
+        self._lock = contextlib.nullcontext() if multiple else threading.Lock()
+
+    def getBackendName(self) -> str:  # noqa: N802 - torch's name
+        return BACKEND_NAME
+
+    def size(self) -> int:
+        return self._size_
+
+    def rank(self) -> int:
+        return self._rank_
+
+    def __repr__(self) -> str:
+        return f"MPIProcessGroup(rank={self._rank_}, size={self._size_})"
+
+    # -- waiting ---------------------------------------------------------------------------
+
+    def _wait(self, request: MPI.Request, what: str, status: MPI.Status | None = None) -> None:
+        """Poll ``request`` until done; raise LaunchError once the group's timeout passes."""
+        lock = self._lock
+        with lock:
+            if request.Test(status):
+                return
+        deadline = time.monotonic() + self._timeout_s
+        while True:
+            with lock:
+                if request.Test(status):
+                    return
+            if time.monotonic() > deadline:
+                _abort_at_exit()
+                raise LaunchError(
+                    f"{what} did not complete within {timedelta(seconds=self._timeout_s)} "
+                    f"(rank {self._rank_} of a group of {self._size_})",
+                    "a peer stopped early, is stuck, or the ranks called collectives in a "
+                    "different order; check the other ranks' logs, or raise the timeout "
+                    "passed to init_process_group/new_group",
+                )
+
+    def _run(self, what: str, start, *args) -> None:
+        with self._lock:
+            request = start(*args)
+        self._wait(request, what)
+
+    def _group_desc(self) -> str:
+        return f"all {self._size_} ranks"
+
+    # -- reductions ------------------------------------------------------------------------
+
+    def _allreduce_one(self, t: torch.Tensor, op) -> None:
+        mpi_op, compute = _reduction(t.dtype, op)
+        buf = _addressable(t, compute)
+        if buf.numel():
+            self._run(f"all_reduce over {self._group_desc()}", self._comm.Iallreduce,
+                      MPI.IN_PLACE, _spec(buf), mpi_op)
+        if op == _RedOp.AVG:
+            with torch.no_grad():
+                buf.div_(self._size_)
+        _write_back(t, buf)
+
+    def allreduce(self, tensors, opts=None) -> dist.Work:
+        if isinstance(tensors, torch.Tensor):
+            tensors = [tensors]
+        op = opts.reduceOp if opts is not None else _RedOp.SUM
+        for t in tensors:
+            self._allreduce_one(t, op)
+        return _done(tensors)
+
+    def allreduce_coalesced(self, tensors, opts=None) -> dist.Work:
+        return self.allreduce(tensors, opts)
+
+    def reduce(self, tensors, opts) -> dist.Work:
+        root = opts.rootRank
+        for t in tensors:
+            mpi_op, compute = _reduction(t.dtype, opts.reduceOp)
+            buf = _addressable(t, compute)
+            send = MPI.IN_PLACE if self._rank_ == root else _spec(buf)
+            self._run(f"reduce to rank {root}", self._comm.Ireduce, send, _spec(buf),
+                      mpi_op, root)
+            if self._rank_ == root:
+                if opts.reduceOp == _RedOp.AVG:
+                    with torch.no_grad():
+                        buf.div_(self._size_)
+                _write_back(t, buf)
+        return _done(tensors)
+
+    def _reduce_scatter_flat(self, output: torch.Tensor, flat: torch.Tensor, op) -> None:
+        """Reduce ``flat`` (``size`` blocks, contiguous, compute dtype) into ``output``."""
+        mpi_op, compute = _reduction(output.dtype, op)
+        out = _addressable(output, compute)
+        if out.numel():
+            self._run(f"reduce_scatter over {self._group_desc()}",
+                      self._comm.Ireduce_scatter_block, _spec(flat, self._size_), _spec(out),
+                      mpi_op)
+        if op == _RedOp.AVG:
+            with torch.no_grad():
+                out.div_(self._size_)
+        _write_back(output, out)
+
+    def reduce_scatter(self, outputs, input_lists, opts) -> dist.Work:
+        for output, inputs in zip(outputs, input_lists, strict=True):
+            _, compute = _reduction(output.dtype, opts.reduceOp)
+            self._reduce_scatter_flat(output, _flat(inputs, compute), opts.reduceOp)
+        return _done(outputs)
+
+    def reduce_scatter_single(self, output, input, opts) -> dist.Work:  # noqa: A002
+        _, compute = _reduction(output.dtype, opts.reduceOp)
+        self._reduce_scatter_flat(output, _addressable(input, compute), opts.reduceOp)
+        return _done([output])
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts) -> dist.Work:
+        for output, input_ in zip(outputs, inputs, strict=True):
+            self.reduce_scatter_single(output, input_, opts)
+        return _done(outputs)
+
+    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
+
+    # -- data movement ---------------------------------------------------------------------
+
+    def broadcast(self, tensors, opts) -> dist.Work:
+        if isinstance(tensors, torch.Tensor):
+            tensors = [tensors]
+        root = opts.rootRank
+        for t in tensors:
+            buf = _addressable(t)
+            if buf.numel():
+                self._run(f"broadcast from rank {root}", self._comm.Ibcast, _spec(buf), root)
+            if self._rank_ != root:
+                _write_back(t, buf)
+        return _done(tensors)
+
+    def allgather(self, output_lists, inputs, opts=None) -> dist.Work:
+        for outputs, t in zip(output_lists, inputs, strict=True):
+            buf = _addressable(t)
+            flat = torch.empty(buf.numel() * self._size_, dtype=buf.dtype)
+            if buf.numel():
+                self._run(f"all_gather over {self._group_desc()}", self._comm.Iallgather,
+                          _spec(buf), _spec(flat, self._size_))
+            _unflat(flat, outputs)
+        return _done(output_lists)
+
+    def all_gather_single(self, output, input, opts=None) -> dist.Work:  # noqa: A002
+        out = _addressable(output)
+        buf = _addressable(input)
+        if buf.numel():
+            # FSDP gathers in place: the input is this rank's block of the output
+            in_place = buf.data_ptr() == out.data_ptr() + self._rank_ * buf.nbytes
+            self._run(f"all_gather_into_tensor over {self._group_desc()}",
+                      self._comm.Iallgather, MPI.IN_PLACE if in_place else _spec(buf),
+                      _spec(out, self._size_))
+        _write_back(output, out)
+        return _done([output])
+
+    _allgather_base = all_gather_single
+
+    def allgather_coalesced(self, output_lists, inputs, opts=None) -> dist.Work:
+        for outputs, t in zip(output_lists, inputs, strict=True):
+            self.allgather([outputs], [t], opts)
+        return _done(output_lists)
+
+    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None) -> dist.Work:
+        for output, t in zip(outputs, inputs, strict=True):
+            self.all_gather_single(output, t, opts)
+        return _done(outputs)
+
+    all_gather_single_coalesced = allgather_into_tensor_coalesced
+
+    def gather(self, output_lists, inputs, opts) -> dist.Work:
+        root = opts.rootRank
+        buf = _addressable(inputs[0])
+        at_root = self._rank_ == root
+        flat = torch.empty(buf.numel() * self._size_ if at_root else 0, dtype=buf.dtype)
+        if buf.numel():
+            self._run(f"gather to rank {root}", self._comm.Igather, _spec(buf),
+                      _spec(flat, self._size_) if at_root else None, root)
+        if at_root:
+            _unflat(flat, output_lists[0])
+        return _done(output_lists)
+
+    def scatter(self, outputs, input_lists, opts) -> dist.Work:
+        root = opts.rootRank
+        out = _addressable(outputs[0])
+        flat = _flat(input_lists[0]) if self._rank_ == root else None
+        if out.numel():
+            self._run(f"scatter from rank {root}", self._comm.Iscatter,
+                      _spec(flat, self._size_) if flat is not None else None, _spec(out), root)
+        _write_back(outputs[0], out)
+        return _done(outputs)
+
+    def _alltoallv(self, out: torch.Tensor, send_counts: list[int], inp: torch.Tensor,
+                   recv_counts: list[int]) -> None:
+        send_displs = [0] * self._size_
+        recv_displs = [0] * self._size_
+        for i in range(1, self._size_):
+            send_displs[i] = send_displs[i - 1] + send_counts[i - 1]
+            recv_displs[i] = recv_displs[i - 1] + recv_counts[i - 1]
+        send, recv = _spec(inp), _spec(out)
+        self._run(f"all_to_all over {self._group_desc()}", self._comm.Ialltoallv,
+                  [send[0], (send_counts, send_displs), send[2]],
+                  [recv[0], (recv_counts, recv_displs), recv[2]])
+
+    def alltoall(self, outputs, inputs, opts=None) -> dist.Work:
+        flat_out = torch.empty(sum(t.numel() for t in outputs), dtype=outputs[0].dtype)
+        self._alltoallv(flat_out, [t.numel() for t in outputs], _flat(inputs),
+                        [t.numel() for t in inputs])
+        _unflat(flat_out, outputs)
+        return _done(outputs)
+
+    def all_to_all_single(self, output, input, output_split_sizes,  # noqa: A002
+                          input_split_sizes, opts=None) -> dist.Work:
+        out, inp = _addressable(output), _addressable(input)
+        n = self._size_
+
+        def counts(t: torch.Tensor, splits) -> list[int]:
+            if not splits:
+                return [t.numel() // n] * n
+            row = t[0].numel() if t.dim() and t.shape[0] else 0
+            return [s * row for s in splits]
+
+        recv_counts, send_counts = counts(out, output_split_sizes), counts(inp, input_split_sizes)
+        self._alltoallv(out, recv_counts, inp, send_counts)
+        _write_back(output, out)
+        return _done([output])
+
+    alltoall_base = all_to_all_single
+
+    def barrier(self, opts=None) -> dist.Work:
+        self._run(f"barrier over {self._group_desc()}", self._comm.Ibarrier)
+        return _done([])
+
+    # -- point to point --------------------------------------------------------------------
+
+    def send(self, tensors, dst: int, tag: int = 0) -> dist.Work:
+        buf = _addressable(tensors[0])
+        with self._lock:
+            request = self._comm.Isend(_spec(buf), dst, tag)
+        return _RequestWork(self, request, f"send to rank {dst} (tag {tag})", buf, None)
+
+    def recv(self, tensors, src: int, tag: int = 0) -> dist.Work:
+        return self._irecv(tensors[0], src, tag, f"recv from rank {src} (tag {tag})")
+
+    def recv_anysource(self, tensors, tag: int = 0) -> dist.Work:
+        return self._irecv(tensors[0], MPI.ANY_SOURCE, tag, f"recv from any rank (tag {tag})")
+
+    def _irecv(self, t: torch.Tensor, src: int, tag: int, what: str) -> dist.Work:
+        buf = _addressable(t)
+        with self._lock:
+            request = self._comm.Irecv(_spec(buf), src, tag)
+        return _RequestWork(self, request, what, buf, t)
+
+
+def _check_world(rank: int, size: int, source: str) -> str | None:
+    world = MPI.COMM_WORLD
+    if (rank, size) == (world.rank, world.size):
+        return None
+    return (f"{source} has rank {rank} of {size}, but MPI started this process as rank "
+            f"{world.rank} of {world.size}")
+
+
+_HINT = ("pass rank=MPI.COMM_WORLD.rank and world_size=MPI.COMM_WORLD.size to "
+         "init_process_group, and launch with as many MPI ranks (mpiexec -n N) as the job expects")
+
+
+def _create(opts, backend_options=None) -> MPIProcessGroup:
+    """torch's factory hook (``extended_api=True``): one communicator per process group."""
+    ranks = list(opts.global_ranks_in_group)
+    timeout = opts.timeout
+    world = MPI.COMM_WORLD
+    if not dist.is_initialized():
+        # the default group: every MPI rank is here, so all agree on failure and fail together
+        problem = _check_world(opts.group_rank, opts.group_size, "init_process_group")
+        failed = world.allreduce(int(problem is not None), op=MPI.MAX)
+        if failed:
+            raise LaunchError(problem or f"another rank's rank or world size does not match "
+                              f"MPI's ({world.size} ranks)", _HINT)
+        return MPIProcessGroup(world.Dup(), timeout)
+    problem = _check_world(dist.get_rank(), dist.get_world_size(), "the default process group")
+    if problem:
+        raise LaunchError(f"cannot create a {BACKEND_NAME} group: {problem}", _HINT)
+    if ranks == list(range(world.size)):
+        comm = world.Dup()
+    else:
+        comm = world.Create_group(world.group.Incl(ranks))
+    return MPIProcessGroup(comm, timeout)
