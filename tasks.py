@@ -6,8 +6,8 @@ so that tests can compare it exactly (golden files).
 
 from invoke import Collection
 
-from ddp_tasks import dev, image
+from ddp_tasks import dev, image, launch
 
 ns = Collection()
-for task in dev.TASKS + image.TASKS:
+for task in dev.TASKS + image.TASKS + launch.TASKS:
     ns.add_task(task)

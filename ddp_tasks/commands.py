@@ -1,0 +1,339 @@
+"""Pure builders of the launch command lines and the Slurm batch script.
+
+Nothing here starts a process or reads the environment: each function maps its arguments to an
+argv list or to text, so tests/test_commands.py compares the results with golden files.
+
+A command is kept as *segments* (launcher, environment, container, program) so that it prints
+one segment per line, joined by backslash-newlines: the printed text is exactly what
+``invoke run`` hands to the shell, and it can be pasted as it is.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from dataclasses import dataclass, replace
+
+from launcher.env import parse_signal
+from launcher.errors import EXIT_PREEMPTED, LaunchError
+
+LAUNCHERS = ("mpirun", "srun")
+MPI_FLAVOURS = ("mpich", "openmpi")
+RUNTIMES = ("apptainer", "docker", "none")
+
+#: Apptainer lets a container's %environment override the host's value of a variable; a
+#: variable named APPTAINERENV_X becomes X inside the container whatever the image sets, and it
+#: also survives --cleanenv. So with Apptainer the launcher passes the program's variables
+#: under this prefix (the launcher's own PMI_* variables still cross as plain host variables).
+APPTAINER_ENV_PREFIX = "APPTAINERENV_"
+
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+_DIRECTIVE_UNSAFE = re.compile(r"[\s'\"\\]")
+_SEGMENT_JOIN = " \\\n    "
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One launch: NODES x PROCS_PER_NODE ranks of ``python -m MODULE ARGS``.
+
+    ``env`` holds the program's variables in order (see ``program_env``); ``hosts`` is empty
+    when the launcher finds the nodes itself (srun, or one node with mpirun).
+    """
+
+    nodes: int = 1
+    procs_per_node: int = 1
+    launcher: str = "mpirun"
+    mpi: str = "mpich"
+    runtime: str = "apptainer"
+    hosts: tuple[str, ...] = ()
+    hostfile: str = ""
+    image: str = "ddp.sif"
+    gpus_per_node: int = 0
+    cpus_per_task: int = 0
+    binds: tuple[str, ...] = ()
+    module: str = "launcher.train"
+    args: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True)
+class Batch:
+    """The ``#SBATCH`` settings that are not part of the srun line."""
+
+    job_name: str = "ddp"
+    time: str = "01:00:00"
+    partition: str = ""
+    account: str = ""
+    signal: str = "USR1"
+    signal_seconds: int = 60
+    output: str = "%x-%j.out"
+
+
+def parse_env(items: list[str] | tuple[str, ...]) -> tuple[tuple[str, str], ...]:
+    """``["K=V", ...]`` from repeated ``--env K=V`` flags as (name, value) pairs."""
+    pairs = []
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not _ENV_NAME.match(name):
+            raise LaunchError(
+                f"--env {item!r} is not NAME=VALUE",
+                hint="give one variable per flag: --env DDP_DATA=/scratch/data --env FOO=1",
+            )
+        pairs.append((name, value))
+    return tuple(pairs)
+
+
+def program_env(
+    signal_name: str,
+    omp_threads: int = 0,
+    master_addr: str = "",
+    master_port: int = 0,
+    ifname: str = "",
+    extra: tuple[tuple[str, str], ...] = (),
+) -> tuple[tuple[str, str], ...]:
+    """The variables every rank's program needs, in a fixed order; ``extra`` wins on a clash.
+
+    Rank, size and the rendezvous address are not here: launcher.env reads them from the
+    launcher's own variables. MASTER_ADDR/MASTER_PORT and the interface are passed only when
+    given, because the right values depend on the site.
+    """
+    env = {
+        "PYTHONUNBUFFERED": "1",
+        "OMP_NUM_THREADS": str(omp_threads or 1),
+        "DDP_PREEMPT_SIGNAL": parse_signal(signal_name, "--signal"),
+    }
+    if master_addr:
+        env["MASTER_ADDR"] = master_addr
+    if master_port:
+        env["MASTER_PORT"] = str(master_port)
+    if ifname:
+        env["GLOO_SOCKET_IFNAME"] = ifname
+        env["NCCL_SOCKET_IFNAME"] = ifname
+    env.update(extra)
+    return tuple(env.items())
+
+
+def with_resume(module: str, args: tuple[str, ...]) -> tuple[str, ...]:
+    """``--resume auto`` first for launcher.train, so a requeued job continues, unless given."""
+    if module != "launcher.train" or any(a.split("=")[0] == "--resume" for a in args):
+        return args
+    return ("--resume", "auto", *args)
+
+
+def docker_hosts(nodes: int) -> tuple[str, ...]:
+    """The compose cluster's container (and host) names: node0 .. node{N-1}."""
+    return tuple(f"node{i}" for i in range(nodes))
+
+
+def validate(launch: Launch) -> None:
+    """Raise LaunchError for a launch that cannot work, naming the flag to change."""
+    _choose("--launcher", launch.launcher, LAUNCHERS)
+    _choose("--mpi", launch.mpi, MPI_FLAVOURS)
+    _choose("--runtime", launch.runtime, RUNTIMES)
+    for flag, value in (("--nodes", launch.nodes), ("--procs-per-node", launch.procs_per_node)):
+        if value < 1:
+            raise LaunchError(f"{flag} {value} must be at least 1", hint=f"pass {flag} 1 or more")
+    for flag, value in (("--gpus-per-node", launch.gpus_per_node),
+                        ("--cpus-per-task", launch.cpus_per_task)):
+        if value < 0:
+            raise LaunchError(f"{flag} {value} is negative", hint=f"leave {flag} out or pass 1+")
+    if launch.hosts and launch.hostfile:
+        raise LaunchError("both --hosts and --hostfile given", hint="pass only one of them")
+    if launch.hosts and len(launch.hosts) != launch.nodes:
+        raise LaunchError(
+            f"--hosts names {len(launch.hosts)} host(s) but --nodes is {launch.nodes}",
+            hint=f"name one host per node, or pass --nodes {len(launch.hosts)}",
+        )
+    if launch.launcher == "srun":
+        _validate_srun(launch)
+    elif launch.runtime == "docker":
+        _validate_docker(launch)
+    elif launch.nodes > 1 and not (launch.hosts or launch.hostfile):
+        raise LaunchError(
+            f"mpirun on {launch.nodes} nodes needs to know which nodes",
+            hint="pass --hosts a,b (or n[1-2]) or --hostfile FILE; inside a Slurm allocation "
+            "use --launcher srun",
+        )
+
+
+def _choose(flag: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise LaunchError(f"unknown {flag} {value!r}", hint=f"choose one of: {', '.join(choices)}")
+
+
+def _validate_srun(launch: Launch) -> None:
+    if launch.runtime == "docker":
+        raise LaunchError(
+            "--runtime docker cannot be started by srun",
+            hint="on Slurm use --runtime apptainer (or none); docker is for the compose cluster "
+            "with --launcher mpirun",
+        )
+    if launch.hostfile:
+        raise LaunchError("srun takes no --hostfile", hint="pass --hosts a,b (becomes --nodelist)")
+    for name, value in launch.env:
+        if "," in value:
+            raise LaunchError(
+                f"srun cannot pass {name}={value!r}: --export splits its list at commas",
+                hint=f"export {name} in your shell instead; srun passes it on with --export=ALL",
+            )
+
+
+def _validate_docker(launch: Launch) -> None:
+    if launch.mpi != "mpich":
+        raise LaunchError(
+            f"--runtime docker with --mpi {launch.mpi}: the image ships MPICH's Hydra only",
+            hint="pass --mpi mpich (the default)",
+        )
+    if launch.hostfile:
+        raise LaunchError(
+            "--runtime docker takes no --hostfile: mpiexec starts in the first node's container",
+            hint="pass --hosts node0,node1 or leave it out for node0..node{N-1}",
+        )
+
+
+def program_argv(launch: Launch) -> list[str]:
+    """``python -m MODULE ARGS``: ``python`` is the image's venv (or the host's) on PATH."""
+    return ["python", "-m", launch.module, *launch.args]
+
+
+def container_argv(launch: Launch) -> list[str]:
+    """The hybrid model: the host's launcher starts one ``apptainer exec`` per rank."""
+    if launch.runtime != "apptainer":
+        return []
+    argv = ["apptainer", "exec"]
+    if launch.gpus_per_node:
+        argv.append("--nv")
+    for bind in launch.binds:
+        argv += ["--bind", bind]
+    return [*argv, launch.image]
+
+
+def passed_env(launch: Launch) -> list[tuple[str, str]]:
+    """The program's variables under the names the launcher must set (see APPTAINER_ENV_PREFIX)."""
+    prefix = APPTAINER_ENV_PREFIX if launch.runtime == "apptainer" else ""
+    return [(prefix + name, value) for name, value in launch.env]
+
+
+def mpich_argv(launch: Launch) -> tuple[list[str], list[str]]:
+    """Hydra's ``mpiexec`` and its ``-genv`` options."""
+    argv = ["mpiexec", "-n", str(launch.nodes * launch.procs_per_node),
+            "-ppn", str(launch.procs_per_node)]
+    if launch.hosts:
+        argv += ["-hosts", ",".join(launch.hosts)]
+    if launch.hostfile:
+        argv += ["-f", launch.hostfile]
+    if launch.hosts or launch.hostfile:
+        # Hydra would pick Slurm's launcher inside an allocation; named hosts mean ssh
+        argv += ["-launcher", "ssh"]
+    env = [arg for name, value in passed_env(launch) for arg in ("-genv", name, value)]
+    return argv, env
+
+
+def openmpi_argv(launch: Launch) -> tuple[list[str], list[str]]:
+    """Open MPI's ``mpirun`` and its ``-x`` options (it forwards no other variables)."""
+    ppn = launch.procs_per_node
+    argv = ["mpirun", "-np", str(launch.nodes * ppn), "--map-by", f"ppr:{ppn}:node"]
+    if launch.hosts:
+        argv += ["-H", ",".join(f"{host}:{ppn}" for host in launch.hosts)]
+    if launch.hostfile:
+        argv += ["--hostfile", launch.hostfile]
+    env = [arg for name, value in passed_env(launch) for arg in ("-x", f"{name}={value}")]
+    return argv, env
+
+
+def srun_argv(launch: Launch) -> tuple[list[str], list[str]]:
+    """``srun`` with PMI-2, which the MPICH inside the image speaks (PMIx would not match)."""
+    argv = ["srun", "--nodes", str(launch.nodes), "--ntasks-per-node", str(launch.procs_per_node)]
+    if launch.hosts:
+        argv += ["--nodelist", ",".join(launch.hosts)]
+    if launch.gpus_per_node:
+        argv += ["--gpus-per-node", str(launch.gpus_per_node)]
+    if launch.cpus_per_task:
+        # since Slurm 22.05 srun no longer inherits sbatch's --cpus-per-task
+        argv += ["--cpus-per-task", str(launch.cpus_per_task)]
+    argv += ["--mpi=pmi2", "--kill-on-bad-exit=1"]
+    env = ["--export=" + ",".join(["ALL", *(f"{n}={v}" for n, v in passed_env(launch))])]
+    return argv, env
+
+
+def launch_segments(launch: Launch) -> list[list[str]]:
+    """The whole command as non-empty segments; raises LaunchError for a bad ``launch``."""
+    if launch.runtime == "docker" and not launch.hosts:
+        launch = replace(launch, hosts=docker_hosts(launch.nodes))
+    validate(launch)
+    if launch.launcher == "srun":
+        launcher, env = srun_argv(launch)
+    elif launch.mpi == "openmpi":
+        launcher, env = openmpi_argv(launch)
+    else:
+        launcher, env = mpich_argv(launch)
+    segments = [launcher, env, container_argv(launch), program_argv(launch)]
+    if launch.runtime == "docker":
+        # mpiexec runs inside the first node's container and reaches the others over ssh
+        segments.insert(0, ["docker", "exec", launch.hosts[0]])
+    return [segment for segment in segments if segment]
+
+
+def render(segments: list[list[str]]) -> str:
+    """Shell text of a command, one segment per line."""
+    return _SEGMENT_JOIN.join(shlex.join(segment) for segment in segments)
+
+
+def batch_script(launch: Launch, batch: Batch) -> str:
+    """The sbatch script: srun the program, and requeue the job when it exits preempted."""
+    if launch.launcher != "srun":
+        raise LaunchError("a batch script launches with srun", hint="build it with --launcher srun")
+    if batch.signal_seconds < 1:
+        raise LaunchError(
+            f"--signal-seconds {batch.signal_seconds} leaves no time to save a checkpoint",
+            hint="pass --signal-seconds 60 or more (Slurm's signal timing is +-60 s)",
+        )
+    directives = [
+        f"--job-name={batch.job_name}",
+        f"--nodes={launch.nodes}",
+        f"--ntasks-per-node={launch.procs_per_node}",
+    ]
+    if launch.gpus_per_node:
+        directives.append(f"--gpus-per-node={launch.gpus_per_node}")
+    if launch.cpus_per_task:
+        directives.append(f"--cpus-per-task={launch.cpus_per_task}")
+    directives.append(f"--time={batch.time}")
+    if batch.partition:
+        directives.append(f"--partition={batch.partition}")
+    if batch.account:
+        directives.append(f"--account={batch.account}")
+    directives += [
+        # no "B:": the signal goes to the ranks, which checkpoint and exit 75
+        f"--signal={parse_signal(batch.signal, '--signal')}@{batch.signal_seconds}",
+        "--requeue",
+        "--open-mode=append",
+        f"--output={batch.output}",
+    ]
+    for directive in directives:
+        if _DIRECTIVE_UNSAFE.search(directive):
+            raise LaunchError(
+                f"#SBATCH {directive!r}: sbatch reads directives without shell quoting",
+                hint="use a value without spaces, quotes or backslashes",
+            )
+    header = "\n".join(f"#SBATCH {d}" for d in directives)
+    return f"""#!/bin/bash
+# Written by `invoke sbatch`; docs/launching.md explains each line.
+{header}
+
+{render(launch_segments(launch))}
+status=$?
+# {EXIT_PREEMPTED}: the ranks caught the signal and saved a checkpoint. Requeue: the next run
+# resumes from it. Exit with scontrol's status, so the job counts as failed only when the
+# requeue itself failed; every other status is the job's own.
+if [ "$status" -eq {EXIT_PREEMPTED} ]; then
+    echo "job $SLURM_JOB_ID preempted (exit {EXIT_PREEMPTED}): requeueing" >&2
+    scontrol requeue "$SLURM_JOB_ID"
+    exit $?
+fi
+exit "$status"
+"""
+
+
+def submit_argv(script: str) -> list[str]:
+    """``sbatch --parsable SCRIPT``: prints just the job id (``ID[;CLUSTER]``)."""
+    return ["sbatch", "--parsable", script]

@@ -1,0 +1,157 @@
+"""Launch tasks: ``invoke run`` starts N nodes x P ranks now, ``invoke sbatch`` writes a job.
+
+Both are thin: they turn flags into a ``commands.Launch`` and print or run what the pure
+builders in ``ddp_tasks.commands`` make of it. docs/launching.md shows examples.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+from contextlib import contextmanager
+from pathlib import Path
+
+from invoke import task
+from invoke.exceptions import Exit
+
+from ddp_tasks import commands
+from launcher.errors import EXIT_USER_ERROR, LaunchError
+from launcher.hostlist import expand_hostlist
+
+HELP = {
+    "nodes": "number of nodes (default 1)",
+    "procs_per_node": "ranks per node, e.g. one per GPU (default 1)",
+    "launcher": "mpirun (MPI over ssh, or one machine) or srun (inside Slurm); default mpirun",
+    "mpi": "for mpirun: mpich (Hydra mpiexec, the image's MPI) or openmpi; default mpich",
+    "runtime": "apptainer (one `apptainer exec` per rank), docker (mpiexec inside the compose "
+    "cluster's node0) or none (python on the host); default apptainer",
+    "hosts": "one host per node: a,b or n[1-2] (Slurm form); docker default node0..node{N-1}",
+    "hostfile": "for mpirun: a host file instead of --hosts",
+    "image": "apptainer image (default ddp.sif)",
+    "gpus_per_node": "GPUs per node: srun/sbatch --gpus-per-node and apptainer --nv (default 0)",
+    "cpus_per_task": "CPUs per rank for Slurm; also the default OMP_NUM_THREADS",
+    "bind": "apptainer --bind SRC[:DST] (repeatable)",
+    "module": "Python module to run (default launcher.train)",
+    "args": "arguments for the module, one shell-quoted string, e.g. '--epochs 3'",
+    "env": "extra variable for every rank, NAME=VALUE (repeatable)",
+    "signal": "preemption signal, USR1 or USR2 (default: $DDP_PREEMPT_SIGNAL, else USR1); "
+    "sets DDP_PREEMPT_SIGNAL and sbatch --signal",
+    "omp_threads": "OMP_NUM_THREADS per rank (default --cpus-per-task, else 1)",
+    "master_addr": "MASTER_ADDR, only if rank 0's address cannot be found on its own",
+    "master_port": "MASTER_PORT (default: chosen per job at start-up)",
+    "ifname": "network interface for gloo/NCCL (GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME)",
+    "dry_run": "print the command and exit",
+    "job_name": "Slurm job name (default ddp)",
+    "time": "Slurm time limit (default 01:00:00)",
+    "partition": "Slurm partition (default: the cluster's)",
+    "account": "Slurm account (default: yours)",
+    "signal_seconds": "send the preemption signal this many seconds before the limit (60)",
+    "output": "Slurm output file (default %x-%j.out: job name and id; appended to on requeue)",
+    "script": "where to write the batch script (default JOB_NAME.sbatch)",
+    "submit": "also run sbatch and print the job id",
+}
+
+
+def _help(*names: str) -> dict[str, str]:
+    return {name: HELP[name] for name in names}
+
+
+@contextmanager
+def _user_errors():
+    """Show a LaunchError as its message and HINT, without a traceback."""
+    try:
+        yield
+    except LaunchError as error:
+        raise Exit(str(error), code=EXIT_USER_ERROR) from None
+
+
+def _signal(flag: str) -> str:
+    return flag or os.environ.get("DDP_PREEMPT_SIGNAL", "USR1")
+
+
+def _launch(*, hosts, env, signal, omp_threads, master_addr, master_port, ifname, bind,
+            **fields) -> commands.Launch:
+    """A Launch from task flags (the flags named here need parsing, ``fields`` do not)."""
+    program_env = commands.program_env(
+        _signal(signal), omp_threads or fields["cpus_per_task"], master_addr, master_port,
+        ifname, commands.parse_env(env or ()),
+    )
+    return commands.Launch(
+        hosts=tuple(expand_hostlist(hosts, "--hosts")) if hosts else (),
+        env=program_env,
+        binds=tuple(bind or ()),
+        **fields,
+    )
+
+
+@task(
+    auto_shortflags=False,
+    iterable=["bind", "env"],
+    help=_help("nodes", "procs_per_node", "launcher", "mpi", "runtime", "hosts", "hostfile",
+               "image", "gpus_per_node", "cpus_per_task", "bind", "module", "args", "env",
+               "signal", "omp_threads", "master_addr", "master_port", "ifname", "dry_run"),
+)
+def run(c, nodes=1, procs_per_node=1, launcher="mpirun", mpi="mpich", runtime="apptainer",
+        hosts="", hostfile="", image="ddp.sif", gpus_per_node=0, cpus_per_task=0, bind=None,
+        module="launcher.train", args="", env=None, signal="", omp_threads=0, master_addr="",
+        master_port=0, ifname="", dry_run=False):
+    """Launch NODES x PROCS_PER_NODE ranks of MODULE with mpirun or srun, in a container or not.
+
+    Exits with the ranks' status: 0 done, 2 user error, 75 preempted after a checkpoint.
+    """
+    with _user_errors():
+        launch = _launch(
+            nodes=nodes, procs_per_node=procs_per_node, launcher=launcher, mpi=mpi,
+            runtime=runtime, hosts=hosts, hostfile=hostfile, image=image,
+            gpus_per_node=gpus_per_node, cpus_per_task=cpus_per_task, bind=bind, module=module,
+            args=tuple(shlex.split(args)), env=env, signal=signal, omp_threads=omp_threads,
+            master_addr=master_addr, master_port=master_port, ifname=ifname,
+        )
+        command = commands.render(commands.launch_segments(launch))
+    if dry_run:
+        print(command)
+        return
+    result = c.run(command, pty=False, warn=True)
+    if result.exited:
+        raise Exit(code=result.exited)
+
+
+@task(
+    auto_shortflags=False,
+    iterable=["bind", "env"],
+    help=_help("nodes", "procs_per_node", "runtime", "image", "gpus_per_node", "cpus_per_task",
+               "bind", "module", "args", "env", "signal", "signal_seconds", "omp_threads",
+               "ifname", "job_name", "time", "partition", "account", "output", "script",
+               "submit"),
+)
+def sbatch(c, nodes=1, procs_per_node=1, runtime="apptainer", image="ddp.sif", gpus_per_node=0,
+           cpus_per_task=0, bind=None, module="launcher.train", args="", env=None, signal="",
+           signal_seconds=60, omp_threads=0, ifname="", job_name="ddp", time="01:00:00",
+           partition="", account="", output="%x-%j.out", script="", submit=False):
+    """Write a Slurm batch script that runs MODULE with srun and requeues itself on preemption.
+
+    launcher.train gets `--resume auto` so a requeued job continues from its last checkpoint.
+    """
+    with _user_errors():
+        launch = _launch(
+            nodes=nodes, procs_per_node=procs_per_node, launcher="srun", runtime=runtime,
+            image=image, gpus_per_node=gpus_per_node, cpus_per_task=cpus_per_task, bind=bind,
+            module=module, args=commands.with_resume(module, tuple(shlex.split(args))), env=env,
+            signal=signal, omp_threads=omp_threads, master_addr="", master_port=0,
+            ifname=ifname, hosts="",
+        )
+        text = commands.batch_script(launch, commands.Batch(
+            job_name=job_name, time=time, partition=partition, account=account,
+            signal=_signal(signal),
+            signal_seconds=signal_seconds, output=output,
+        ))
+    path = Path(script or f"{job_name}.sbatch")
+    path.write_text(text)
+    path.chmod(0o755)
+    print(path)
+    if submit:
+        result = c.run(shlex.join(commands.submit_argv(str(path))), pty=False, hide="out")
+        print(f"submitted job {result.stdout.strip().split(';')[0]}")
+
+
+TASKS = [run, sbatch]
