@@ -258,7 +258,7 @@ def srun_argv(launch: Launch) -> tuple[list[str], list[str]]:
 
 def launch_segments(launch: Launch) -> list[list[str]]:
     """The whole command as non-empty segments; raises LaunchError for a bad ``launch``."""
-    if launch.runtime == "docker" and not launch.hosts:
+    if launch.runtime == "docker" and not (launch.hosts or launch.hostfile):
         launch = replace(launch, hosts=docker_hosts(launch.nodes))
     validate(launch)
     if launch.launcher == "srun":

@@ -1,0 +1,29 @@
+#!/bin/bash
+# Written by `invoke sbatch`; docs/launching.md explains each line.
+#SBATCH --job-name=ddp
+#SBATCH --nodes=2
+#SBATCH --ntasks-per-node=4
+#SBATCH --gpus-per-node=4
+#SBATCH --cpus-per-task=8
+#SBATCH --time=02:00:00
+#SBATCH --partition=gpu
+#SBATCH --account=proj42
+#SBATCH --signal=USR2@60
+#SBATCH --requeue
+#SBATCH --open-mode=append
+#SBATCH --output=%x-%j.out
+
+srun --nodes 2 --ntasks-per-node 4 --gpus-per-node 4 --cpus-per-task 8 --mpi=pmi2 --kill-on-bad-exit=1 \
+    --export=ALL,APPTAINERENV_PYTHONUNBUFFERED=1,APPTAINERENV_OMP_NUM_THREADS=8,APPTAINERENV_DDP_PREEMPT_SIGNAL=USR2 \
+    apptainer exec --nv --bind /scratch ddp.sif \
+    python -m launcher.train --resume auto --epochs 3
+status=$?
+# 75: the ranks caught the signal and saved a checkpoint. Requeue: the next run
+# resumes from it. Exit with scontrol's status, so the job counts as failed only when the
+# requeue itself failed; every other status is the job's own.
+if [ "$status" -eq 75 ]; then
+    echo "job $SLURM_JOB_ID preempted (exit 75): requeueing" >&2
+    scontrol requeue "$SLURM_JOB_ID"
+    exit $?
+fi
+exit "$status"

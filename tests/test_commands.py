@@ -1,0 +1,299 @@
+"""Launch commands and the batch script, compared exactly with golden files.
+
+Each case is checked twice: the pure builder in-process, and ``invoke run --dry-run`` (or
+``invoke sbatch``) as a user types it, so the task's flag wiring is covered too.
+
+After an intended change, regenerate the goldens and review the diff:
+
+    UPDATE_GOLDEN=1 .venv/bin/pytest tests/test_commands.py && git diff tests/golden
+
+The batch script is also run for real with ``srun`` and ``scontrol`` replaced by stubs that
+record their arguments, to check the requeue-on-75 logic without Slurm.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ddp_tasks.commands import (
+    Batch,
+    Launch,
+    batch_script,
+    launch_segments,
+    parse_env,
+    program_env,
+    render,
+    with_resume,
+)
+from launcher.errors import EXIT_PREEMPTED, EXIT_USER_ERROR, LaunchError
+
+ROOT = Path(__file__).resolve().parent.parent
+GOLDEN = Path(__file__).resolve().parent / "golden"
+INVOKE = Path(sys.executable).parent / "invoke"
+
+RUN_CASES = {
+    "run_srun_apptainer": (
+        ["--nodes", "2", "--procs-per-node", "4", "--launcher", "srun", "--gpus-per-node", "4",
+         "--cpus-per-task", "8", "--bind", "/scratch", "--ifname", "ib0",
+         "--args", "--epochs 3"],
+        Launch(nodes=2, procs_per_node=4, launcher="srun", gpus_per_node=4, cpus_per_task=8,
+               binds=("/scratch",), args=("--epochs", "3"),
+               env=program_env("USR1", omp_threads=8, ifname="ib0")),
+    ),
+    "run_mpich_apptainer": (
+        ["--nodes", "2", "--procs-per-node", "2", "--hosts", "n[1-2]",
+         "--env", "DDP_DATA=/scratch/digits"],
+        Launch(nodes=2, procs_per_node=2, hosts=("n1", "n2"),
+               env=program_env("USR1", extra=(("DDP_DATA", "/scratch/digits"),))),
+    ),
+    "run_openmpi_apptainer": (
+        ["--nodes", "2", "--procs-per-node", "2", "--hosts", "a,b", "--mpi", "openmpi",
+         "--signal", "USR2"],
+        Launch(nodes=2, procs_per_node=2, hosts=("a", "b"), mpi="openmpi",
+               env=program_env("USR2")),
+    ),
+    "run_mpich_docker": (
+        ["--nodes", "2", "--procs-per-node", "2", "--runtime", "docker", "--ifname", "eth0"],
+        Launch(nodes=2, procs_per_node=2, runtime="docker", env=program_env("USR1", ifname="eth0")),
+    ),
+    "run_none": (
+        ["--procs-per-node", "2", "--runtime", "none", "--master-addr", "127.0.0.1",
+         "--master-port", "29500", "--env", "NOTE=two words", "--module", "launcher.check"],
+        Launch(procs_per_node=2, runtime="none", module="launcher.check",
+               env=program_env("USR1", master_addr="127.0.0.1", master_port=29500,
+                               extra=(("NOTE", "two words"),))),
+    ),
+}
+
+SBATCH_FLAGS = ["--nodes", "2", "--procs-per-node", "4", "--gpus-per-node", "4",
+                "--cpus-per-task", "8", "--signal", "USR2", "--time", "02:00:00",
+                "--partition", "gpu", "--account", "proj42", "--bind", "/scratch",
+                "--args", "--epochs 3"]
+SBATCH_LAUNCH = Launch(nodes=2, procs_per_node=4, launcher="srun", gpus_per_node=4,
+                       cpus_per_task=8, binds=("/scratch",),
+                       args=("--resume", "auto", "--epochs", "3"),
+                       env=program_env("USR2", omp_threads=8))
+SBATCH_BATCH = Batch(time="02:00:00", partition="gpu", account="proj42", signal="USR2")
+
+
+def golden(name: str, text: str) -> None:
+    path = GOLDEN / name
+    if os.environ.get("UPDATE_GOLDEN"):
+        path.write_text(text)
+    assert text == path.read_text(), f"{path} differs; UPDATE_GOLDEN=1 rewrites it"
+
+
+def invoke(*argv: str, cwd: Path = ROOT, **env: str):
+    """Run ``invoke ARGV`` as a user would; ``env`` adds variables (DDP_PREEMPT_SIGNAL unset)."""
+    env = {**{k: v for k, v in os.environ.items() if k != "DDP_PREEMPT_SIGNAL"}, **env}
+    return subprocess.run([str(INVOKE), "-r", str(ROOT), *argv], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=60)
+
+
+def sbatch_text() -> str:
+    return batch_script(SBATCH_LAUNCH, SBATCH_BATCH)
+
+
+# -- golden files -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", RUN_CASES)
+def test_run_golden(name):
+    _, launch = RUN_CASES[name]
+    golden(f"{name}.txt", render(launch_segments(launch)) + "\n")
+
+
+@pytest.mark.parametrize("name", RUN_CASES)
+def test_run_cli_dry_run(name):
+    flags, _ = RUN_CASES[name]
+    result = invoke("run", "--dry-run", *flags)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == (GOLDEN / f"{name}.txt").read_text()
+
+
+def test_sbatch_golden():
+    golden("sbatch.sh", sbatch_text())
+
+
+def test_sbatch_cli_writes_the_script(tmp_path):
+    result = invoke("sbatch", *SBATCH_FLAGS, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "ddp.sbatch\n"
+    assert (tmp_path / "ddp.sbatch").read_text() == (GOLDEN / "sbatch.sh").read_text()
+    assert os.access(tmp_path / "ddp.sbatch", os.X_OK)
+
+
+def test_sbatch_cli_submits(tmp_path):
+    stubs = _stubs(tmp_path, {"sbatch": 'echo "$@" > "$STUB_LOG/sbatch"; echo "4242;cluster"'})
+    result = invoke("sbatch", "--submit", "--script", "job.sh", cwd=tmp_path,
+                    PATH=_on_path(stubs), STUB_LOG=str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "job.sh\nsubmitted job 4242\n"
+    assert (tmp_path / "sbatch").read_text() == "--parsable job.sh\n"
+
+
+# -- the generated script as shell ------------------------------------------------------------
+
+
+def test_sbatch_script_parses(tmp_path):
+    script = tmp_path / "job.sh"
+    script.write_text(sbatch_text())
+    subprocess.run(["bash", "-n", str(script)], check=True)
+
+
+def test_sbatch_script_is_shellcheck_clean(tmp_path):
+    if not shutil.which("shellcheck"):
+        pytest.skip("shellcheck is not installed (Debian: apt-get install shellcheck)")
+    script = tmp_path / "job.sh"
+    script.write_text(sbatch_text())
+    result = subprocess.run(["shellcheck", str(script)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout
+
+
+def _on_path(directory: Path) -> str:
+    return f"{directory}{os.pathsep}{os.environ['PATH']}"
+
+
+def _stubs(tmp_path: Path, bodies: dict[str, str]) -> Path:
+    """Executables NAME that run BODY with sh, in a directory to put first on PATH."""
+    stubs = tmp_path / "stubs"
+    stubs.mkdir(exist_ok=True)
+    for name, body in bodies.items():
+        stub = stubs / name
+        stub.write_text(f"#!/bin/sh\n{body}\n")
+        stub.chmod(0o755)
+    return stubs
+
+
+@pytest.mark.parametrize(
+    ("srun_exit", "scontrol_exit", "script_exit", "requeued"),
+    [
+        (EXIT_PREEMPTED, 0, 0, True),  # preempted: requeue, and the run is not a failure
+        (EXIT_PREEMPTED, 1, 1, True),  # the requeue failed: the job fails
+        (0, 0, 0, False),
+        (1, 0, 1, False),
+        (EXIT_USER_ERROR, 0, EXIT_USER_ERROR, False),
+    ],
+)
+def test_sbatch_script_requeues_on_75(tmp_path, srun_exit, scontrol_exit, script_exit, requeued):
+    stubs = _stubs(tmp_path, {
+        "srun": 'printf "%s\\n" "$@" > "$STUB_LOG/srun"; exit "$SRUN_EXIT"',
+        "scontrol": 'printf "%s\\n" "$@" > "$STUB_LOG/scontrol"; exit "$SCONTROL_EXIT"',
+    })
+    script = tmp_path / "job.sh"
+    script.write_text(sbatch_text())
+    env = {**os.environ, "PATH": _on_path(stubs),
+           "STUB_LOG": str(tmp_path), "SLURM_JOB_ID": "4242",
+           "SRUN_EXIT": str(srun_exit), "SCONTROL_EXIT": str(scontrol_exit)}
+    result = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True)
+    assert result.returncode == script_exit, result.stderr
+    srun_args = (tmp_path / "srun").read_text().splitlines()
+    assert srun_args == [a for segment in launch_segments(SBATCH_LAUNCH) for a in segment][1:]
+    if requeued:
+        assert (tmp_path / "scontrol").read_text() == "requeue\n4242\n"
+        assert "requeueing" in result.stderr
+    else:
+        assert not (tmp_path / "scontrol").exists()
+
+
+# -- small pure functions ---------------------------------------------------------------------
+
+
+def test_program_env_order_and_override():
+    env = program_env("sigusr2", omp_threads=4, master_port=29500, ifname="ib0",
+                      extra=(("OMP_NUM_THREADS", "2"), ("DDP_X", "1")))
+    assert env == (
+        ("PYTHONUNBUFFERED", "1"), ("OMP_NUM_THREADS", "2"), ("DDP_PREEMPT_SIGNAL", "USR2"),
+        ("MASTER_PORT", "29500"), ("GLOO_SOCKET_IFNAME", "ib0"), ("NCCL_SOCKET_IFNAME", "ib0"),
+        ("DDP_X", "1"),
+    )
+
+
+def test_parse_env_keeps_equals_in_values():
+    assert parse_env(["A=1", "B=x=y", "C="]) == (("A", "1"), ("B", "x=y"), ("C", ""))
+
+
+@pytest.mark.parametrize("args", [("--resume", "none"), ("--resume=none",)])
+def test_with_resume_keeps_the_users_choice(args):
+    assert with_resume("launcher.train", args) == args
+
+
+def test_with_resume_only_for_launcher_train():
+    assert with_resume("launcher.train", ("--epochs", "3")) == ("--resume", "auto", "--epochs",
+                                                                "3")
+    assert with_resume("mypkg.train", ("--epochs", "3")) == ("--epochs", "3")
+
+
+# -- errors -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("launch", "cause"),
+    [
+        (Launch(nodes=0), "--nodes 0 must be at least 1"),
+        (Launch(procs_per_node=0), "--procs-per-node 0 must be at least 1"),
+        (Launch(gpus_per_node=-1), "--gpus-per-node -1 is negative"),
+        (Launch(launcher="torchrun"), "unknown --launcher 'torchrun'"),
+        (Launch(mpi="intel"), "unknown --mpi 'intel'"),
+        (Launch(runtime="podman"), "unknown --runtime 'podman'"),
+        (Launch(nodes=3, hosts=("a", "b")), "--hosts names 2 host(s) but --nodes is 3"),
+        (Launch(hosts=("a",), hostfile="hosts.txt"), "both --hosts and --hostfile given"),
+        (Launch(nodes=2), "mpirun on 2 nodes needs to know which nodes"),
+        (Launch(launcher="srun", runtime="docker"), "--runtime docker cannot be started by srun"),
+        (Launch(launcher="srun", hostfile="h"), "srun takes no --hostfile"),
+        (Launch(launcher="srun", env=(("X", "a,b"),)), "--export splits its list at commas"),
+        (Launch(runtime="docker", mpi="openmpi"), "the image ships MPICH's Hydra only"),
+        (Launch(runtime="docker", hostfile="h"), "--runtime docker takes no --hostfile"),
+    ],
+)
+def test_bad_launch(launch, cause):
+    with pytest.raises(LaunchError) as error:
+        launch_segments(launch)
+    assert cause in error.value.message
+    assert error.value.hint
+
+
+@pytest.mark.parametrize(
+    ("batch", "cause"),
+    [
+        (Batch(signal="KILL"), "is not a signal this process can catch"),
+        (Batch(signal_seconds=0), "leaves no time to save a checkpoint"),
+        (Batch(job_name="my job"), "sbatch reads directives without shell quoting"),
+    ],
+)
+def test_bad_batch(batch, cause):
+    with pytest.raises(LaunchError) as error:
+        batch_script(SBATCH_LAUNCH, batch)
+    assert cause in error.value.message
+    assert error.value.hint
+
+
+def test_bad_env_and_signal():
+    with pytest.raises(LaunchError, match="is not NAME=VALUE"):
+        parse_env(["1X=2"])
+    with pytest.raises(LaunchError, match="not a signal"):
+        program_env("NOPE")
+
+
+@pytest.mark.parametrize(
+    ("argv", "cause"),
+    [
+        (["run", "--dry-run", "--nodes", "3", "--hosts", "a,b"], "--hosts names 2 host(s)"),
+        (["run", "--dry-run", "--hosts", "a[1-"], "is not a Slurm host list"),
+        (["run", "--dry-run", "--env", "novalue"], "is not NAME=VALUE"),
+        (["sbatch", "--runtime", "docker"], "--runtime docker cannot be started by srun"),
+    ],
+)
+def test_cli_errors_name_cause_and_hint(argv, cause, tmp_path):
+    result = invoke(*argv, cwd=tmp_path)
+    assert result.returncode == EXIT_USER_ERROR
+    assert cause in result.stderr
+    assert "\nHINT: " in result.stderr
+    assert "Traceback" not in result.stderr
+    assert list(tmp_path.iterdir()) == []  # nothing written on error
