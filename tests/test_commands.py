@@ -96,6 +96,21 @@ def invoke(*argv: str, cwd: Path = ROOT, **env: str):
                           capture_output=True, text=True, timeout=60)
 
 
+def _on_path(directory: Path) -> str:
+    return f"{directory}{os.pathsep}{os.environ['PATH']}"
+
+
+def _stubs(tmp_path: Path, bodies: dict[str, str]) -> Path:
+    """Executables NAME that run BODY with sh, in a directory to put first on PATH."""
+    stubs = tmp_path / "stubs"
+    stubs.mkdir(exist_ok=True)
+    for name, body in bodies.items():
+        stub = stubs / name
+        stub.write_text(f"#!/bin/sh\n{body}\n")
+        stub.chmod(0o755)
+    return stubs
+
+
 def sbatch_text() -> str:
     return batch_script(SBATCH_LAUNCH, SBATCH_BATCH)
 
@@ -138,6 +153,17 @@ def test_sbatch_cli_submits(tmp_path):
     assert (tmp_path / "sbatch").read_text() == "--parsable job.sh\n"
 
 
+@pytest.mark.mpi
+def test_run_starts_the_ranks_and_returns_their_status(tmp_path):
+    """For real, with the venv's mpiexec: two ranks that exit 75 make `invoke run` exit 75."""
+    if not (INVOKE.parent / "mpiexec").exists():
+        pytest.skip(f"no mpiexec next to {sys.executable} (pip install mpich)")
+    (tmp_path / "preempted.py").write_text("import sys\nsys.exit(75)\n")
+    result = invoke("run", "--runtime", "none", "--procs-per-node", "2", "--module", "preempted",
+                    cwd=tmp_path, PATH=_on_path(INVOKE.parent))
+    assert result.returncode == EXIT_PREEMPTED, result.stderr
+
+
 # -- the generated script as shell ------------------------------------------------------------
 
 
@@ -154,21 +180,6 @@ def test_sbatch_script_is_shellcheck_clean(tmp_path):
     script.write_text(sbatch_text())
     result = subprocess.run(["shellcheck", str(script)], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout
-
-
-def _on_path(directory: Path) -> str:
-    return f"{directory}{os.pathsep}{os.environ['PATH']}"
-
-
-def _stubs(tmp_path: Path, bodies: dict[str, str]) -> Path:
-    """Executables NAME that run BODY with sh, in a directory to put first on PATH."""
-    stubs = tmp_path / "stubs"
-    stubs.mkdir(exist_ok=True)
-    for name, body in bodies.items():
-        stub = stubs / name
-        stub.write_text(f"#!/bin/sh\n{body}\n")
-        stub.chmod(0o755)
-    return stubs
 
 
 @pytest.mark.parametrize(
