@@ -1,0 +1,145 @@
+"""``python -m launcher.env`` for real: plain python, mpiexec, torchrun, srun and sbatch."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.fixtures.mpi import REPO_ROOT, clean_environ, json_objects, mpiexec_path, run_mpi
+
+ENV_JSON = ["-m", "launcher.env", "--json"]
+
+
+def run_python(args: list[str], env: dict[str, str] | None = None, timeout: float = 60):
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True,
+                          env=clean_environ(env), cwd=REPO_ROOT, timeout=timeout)
+
+
+def by_rank(records: list[dict], size: int) -> dict[int, dict]:
+    ranks = {record["rank"]: record for record in records}
+    assert sorted(ranks) == list(range(size)), records
+    return ranks
+
+
+def test_plain_python_json():
+    result = run_python(ENV_JSON, env={"DDP_IMAGE": "ddp:test"})
+    assert result.returncode == 0, result.stderr
+    [record] = json_objects(result.stdout)
+    assert record["launcher"] == "single"
+    assert (record["rank"], record["world_size"], record["is_main"]) == (0, 1, True)
+    assert (record["master_addr"], record["master_port"]) == ("127.0.0.1", None)
+    assert record["image"] == "ddp:test"
+
+
+def test_plain_python_table():
+    result = run_python(["-m", "launcher.env"])
+    assert result.returncode == 0, result.stderr
+    rows = dict(line.split(None, 1) for line in result.stdout.splitlines() if "  " in line)
+    assert rows["launcher"].strip() == "single" and rows["world_size"].strip() == "1"
+
+
+def test_detection_starts_nothing_heavy():
+    """No torch, no MPI: the CLI must be instant and must not start communication."""
+    code = ("import sys; from launcher.env import detect_environment; detect_environment(); "
+            "heavy = [m for m in ('torch', 'mpi4py', 'numpy') if m in sys.modules]; "
+            "assert not heavy, heavy")
+    result = run_python(["-c", code], env={"PMI_RANK": "0", "PMI_SIZE": "1",
+                                           "MPI_LOCALRANKID": "0", "MPI_LOCALNRANKS": "1"})
+    assert result.returncode == 0, result.stderr
+
+
+def test_bad_input_exits_2_with_hint():
+    result = run_python(ENV_JSON, env={"MASTER_PORT": "99999"})
+    assert result.returncode == 2
+    assert result.stdout == ""
+    assert result.stderr.splitlines()[0].startswith("error: MASTER_PORT='99999'")
+    assert result.stderr.splitlines()[1].startswith("HINT: ")
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("size", [2, 3])
+def test_under_mpiexec(size):
+    result = run_mpi(size, ENV_JSON, timeout=60)
+    assert result.returncode == 0, result.output
+    ranks = by_rank(json_objects(result.stdout), size)
+    for rank, record in ranks.items():
+        assert record["launcher"] == "hydra"
+        assert (record["world_size"], record["local_rank"], record["local_world_size"]) == (
+            size, rank, size)
+        assert (record["master_addr"], record["master_port"]) == (None, None)
+        assert record["is_main"] == (rank == 0)
+
+
+@pytest.mark.mpi
+def test_bad_input_under_mpiexec_fails_every_rank():
+    result = run_mpi(2, ENV_JSON, timeout=60, env={"DDP_PREEMPT_SIGNAL": "SIGNOPE"})
+    assert result.returncode == 2, result.output
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    hints = [line for line in result.stderr.splitlines() if line.startswith("HINT: ")]
+    assert len(errors) == 2 and len(hints) == 2, result.output
+    assert all("DDP_PREEMPT_SIGNAL='SIGNOPE'" in line for line in errors)
+    assert "Traceback" not in result.stderr
+
+
+def test_under_torchrun():
+    torchrun = Path(sys.executable).parent / "torchrun"
+    if not torchrun.exists():
+        pytest.skip(f"no torchrun next to {sys.executable}: torch is not installed there")
+    result = subprocess.run(
+        [str(torchrun), "--nproc-per-node", "2", *ENV_JSON], capture_output=True, text=True,
+        env=clean_environ(), cwd=REPO_ROOT, timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    ranks = by_rank(json_objects(result.stdout), 2)
+    ports = {record["master_port"] for record in ranks.values()}
+    assert len(ports) == 1 and None not in ports
+    for rank, record in ranks.items():
+        assert record["launcher"] == "torchrun"
+        assert (record["world_size"], record["local_rank"], record["local_world_size"]) == (
+            2, rank, 2)
+        assert record["job_id"]  # TORCHELASTIC_RUN_ID
+
+
+@pytest.mark.slurm
+def test_under_srun(slurm_cluster):
+    result = slurm_cluster.srun(["-n", "3", sys.executable, *ENV_JSON], cwd=REPO_ROOT)
+    assert result.returncode == 0, result.stdout + result.stderr
+    ranks = by_rank(json_objects(result.stdout), 3)
+    job_ids = {record["job_id"] for record in ranks.values()}
+    assert len(job_ids) == 1
+    for rank, record in ranks.items():
+        assert record["launcher"] == "slurm"
+        assert (record["world_size"], record["local_rank"], record["local_world_size"]) == (
+            3, rank, 3)
+        assert record["hosts"] == [slurm_cluster.node]
+        assert record["master_addr"] == slurm_cluster.node
+        assert 15000 <= record["master_port"] < 35000
+
+
+@pytest.mark.slurm
+@pytest.mark.mpi
+def test_sbatch_script_and_mpiexec_inside(slurm_cluster, tmp_path):
+    """The batch script itself is one process; mpiexec inside it must not read SLURM_PROCID."""
+    tmp_path.chmod(0o755)
+    python = f"{sys.executable} -m launcher.env --json"
+    script = tmp_path / "job.sh"
+    script.write_text(
+        "#!/bin/sh\n"
+        f"cd {REPO_ROOT}\n"
+        f"{python} > {tmp_path}/batch.json\n"
+        f"{mpiexec_path()} -n 2 {python} > {tmp_path}/mpiexec.json\n"
+    )
+    job_id = slurm_cluster.sbatch(script, ["-n", "2", "-o", str(tmp_path / "job.out")])
+    state = slurm_cluster.wait_job(job_id, timeout=120)
+    output = (tmp_path / "job.out").read_text()
+    assert state.state == "COMPLETED", output
+    [batch] = json_objects((tmp_path / "batch.json").read_text())
+    assert (batch["launcher"], batch["world_size"], batch["job_id"]) == ("single", 1, str(job_id))
+    ranks = by_rank(json_objects((tmp_path / "mpiexec.json").read_text()), 2)
+    for rank, record in ranks.items():
+        assert (record["launcher"], record["world_size"], record["local_rank"]) == (
+            "hydra", 2, rank)
