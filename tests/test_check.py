@@ -1,0 +1,118 @@
+"""launcher.check for real: plain python, mpiexec -n 2 / -n 3, torchrun, and a cluster that
+disagrees with itself (MPMD: one rank told it runs in another image)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from launcher.check import RankReport, find_differences, format_table
+from tests.fixtures.mpi import REPO_ROOT, clean_environ, json_objects, run_mpi
+
+
+def _report(rank: int, **overrides: str) -> RankReport:
+    fields = dict(
+        rank=rank, local_rank=rank, node_rank=0, host="n0", launcher="hydra", device="cpu",
+        python_executable="/opt/ddp/venv/bin/python", python_version="3.11.2", torch="2.13.0",
+        mpi4py="4.1.2", mpi_library="MPICH Version: 5.0.2", libmpi_path="/x/libmpi.so.12",
+        cuda="-", nccl="-", image="ddp:cpu",
+    )
+    fields.update(overrides)
+    return RankReport(**fields)
+
+
+def test_identical_ranks_have_no_differences():
+    assert find_differences([_report(0), _report(1), _report(2)]) == []
+
+
+def test_each_differing_field_is_one_line_naming_the_ranks():
+    reports = [_report(0), _report(1, torch="2.5.0"), _report(2, torch="2.5.0"),
+               _report(3, python_version="3.12.1")]
+    assert find_differences(reports) == [
+        "DIFFERENT python_version: rank 0-2: 3.11.2; rank 3: 3.12.1",
+        "DIFFERENT torch: rank 0,3: 2.13.0; rank 1-2: 2.5.0",
+    ]
+
+
+def test_table_has_a_row_per_rank():
+    table = format_table([_report(0), _report(1)])
+    assert table.splitlines()[1].startswith("0 ")
+    assert table.splitlines()[2].startswith("1 ")
+    assert "mpi_library: MPICH Version: 5.0.2" in table
+
+
+def _summary(stdout: str) -> dict:
+    summaries = [o for o in json_objects(stdout) if "backends" in o]
+    assert len(summaries) == 1, stdout  # rank 0 only
+    return summaries[0]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_check_passes_under_mpiexec_on_gloo_and_mpi(ranks):
+    result = run_mpi(ranks, ["-m", "launcher.check", "--backend", "gloo,mpi", "--json"],
+                     timeout=180)
+    assert result.returncode == 0, result.output
+    summary = _summary(result.stdout)
+    assert summary["ok"] and summary["problems"] == []
+    assert [r["rank"] for r in summary["ranks"]] == list(range(ranks))
+    assert {r["launcher"] for r in summary["ranks"]} == {"hydra"}
+    assert set(summary["backends"]) == {"gloo", "mpi4py"}
+    assert all(len(b["ping_pong_us"]) == ranks - 1 for b in summary["backends"].values())
+
+
+@pytest.mark.mpi
+def test_check_prints_one_table_on_rank_zero():
+    result = run_mpi(2, ["-m", "launcher.check", "--backend", "mpi"], timeout=120)
+    assert result.returncode == 0, result.output
+    assert result.stdout.count("python_executable:") == 1
+    assert "check passed" in result.stdout
+
+
+@pytest.mark.mpi
+def test_a_rank_in_another_image_fails_the_check_on_every_rank():
+    # Hydra's MPMD form gives each rank its own environment
+    args = [sys.executable, "-m", "launcher.check", "--backend", "gloo"]
+    result = run_mpi(
+        1, [*args[1:]], timeout=120,
+        mpiexec_args=("-env", "DDP_IMAGE", "ddp:1.0", *args, ":", "-n", "1", "-env",
+                      "DDP_IMAGE", "ddp:2.0"),
+    )
+    assert result.returncode == 1, result.output
+    assert "DIFFERENT image: rank 0: ddp:1.0; rank 1: ddp:2.0" in result.stdout
+    assert "check FAILED" in result.stdout
+
+
+def test_check_runs_as_a_single_process():
+    result = subprocess.run(
+        [sys.executable, "-m", "launcher.check", "--json"], capture_output=True, text=True,
+        timeout=120, env=clean_environ(), cwd=REPO_ROOT,
+    )
+    assert result.returncode == 0, result.stderr
+    summary = _summary(result.stdout)
+    assert summary["world_size"] == 1 and summary["ok"]
+
+
+def test_check_under_torchrun():
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc-per-node", "2"]
+    result = subprocess.run(
+        [*torchrun, "-m", "launcher.check", "--backend", "gloo", "--json"], capture_output=True,
+        text=True, timeout=180, env=clean_environ(), cwd=REPO_ROOT,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary = _summary(result.stdout)
+    assert {r["launcher"] for r in summary["ranks"]} == {"torchrun"}
+
+
+def test_unknown_backend_is_one_clear_error():
+    result = subprocess.run(
+        [sys.executable, "-m", "launcher.check", "--backend", "tcp"], capture_output=True,
+        text=True, timeout=60, env=clean_environ(), cwd=REPO_ROOT,
+    )
+    assert result.returncode == 2
+    assert "error: unknown backend tcp" in result.stderr
+    assert "HINT:" in result.stderr
+    assert "Traceback" not in result.stderr
