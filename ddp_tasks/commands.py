@@ -28,6 +28,13 @@ RUNTIMES = ("apptainer", "docker", "none")
 APPTAINER_ENV_PREFIX = "APPTAINERENV_"
 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+#: srun: seconds the other ranks get to end on their own after the first one ended, then they
+#: are killed. Not --kill-on-bad-exit=1: preempted ranks all exit 75 together, and killing the
+#: slower ones turns srun's status (the highest of all tasks, 128+N for a signal) into 137, so
+#: the job would fail instead of being requeued. A crashed rank still ends the step, this much
+#: later.
+STEP_EXIT_WAIT = 60
+
 _DIRECTIVE_UNSAFE = re.compile(r"[\s'\"\\]")
 _SEGMENT_JOIN = " \\\n    "
 
@@ -251,7 +258,7 @@ def srun_argv(launch: Launch) -> tuple[list[str], list[str]]:
     if launch.cpus_per_task:
         # since Slurm 22.05 srun no longer inherits sbatch's --cpus-per-task
         argv += ["--cpus-per-task", str(launch.cpus_per_task)]
-    argv += ["--mpi=pmi2", "--kill-on-bad-exit=1"]
+    argv += ["--mpi=pmi2", "--kill-on-bad-exit=0", f"--wait={STEP_EXIT_WAIT}"]
     env = ["--export=" + ",".join(["ALL", *(f"{n}={v}" for n, v in passed_env(launch))])]
     return argv, env
 
