@@ -1,0 +1,117 @@
+"""Rendezvous address and port: picked by rank 0 and broadcast over the real MPI."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+
+from launcher.env import detect_environment
+from launcher.errors import LaunchError
+from launcher.rendezvous import reachable_address, resolve_rendezvous
+from tests.fixtures.mpi import REPO_ROOT, clean_environ, json_objects, run_mpi
+
+# Every rank resolves, then proves the result works: rank 0 listens on (addr, port) and every
+# other rank connects to it and sends its rank.
+SNIPPET = """
+import json, socket
+from mpi4py import MPI
+from launcher.env import detect_environment
+from launcher.rendezvous import resolve_rendezvous
+
+env = resolve_rendezvous(detect_environment())
+comm = MPI.COMM_WORLD
+received = []
+if env.rank == 0:
+    server = socket.create_server(("", env.master_port))
+    comm.barrier()
+    for _ in range(env.world_size - 1):
+        conn, _ = server.accept()
+        with conn:
+            received.append(int(conn.recv(16).decode()))
+    server.close()
+else:
+    comm.barrier()
+    with socket.create_connection((env.master_addr, env.master_port), timeout=20) as conn:
+        conn.sendall(str(env.rank).encode())
+print(json.dumps({"rank": env.rank, "addr": env.master_addr, "port": env.master_port,
+                  "hosts": env.hosts, "node_rank": env.node_rank, "num_nodes": env.num_nodes,
+                  "received": sorted(received)}), flush=True)
+"""
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("size", [2, 3])
+def test_rank0_picks_and_broadcasts(size):
+    result = run_mpi(size, ["-c", SNIPPET], timeout=90)
+    assert result.returncode == 0, result.output
+    records = {r["rank"]: r for r in json_objects(result.stdout)}
+    assert sorted(records) == list(range(size)), result.output
+    assert len({(r["addr"], r["port"]) for r in records.values()}) == 1  # all agree
+    assert records[0]["received"] == list(range(1, size))  # and it is reachable
+    host = socket.gethostname()
+    for record in records.values():
+        assert 0 < record["port"] < 65536
+        assert (record["hosts"], record["node_rank"], record["num_nodes"]) == ([host], 0, 1)
+
+
+@pytest.mark.mpi
+def test_explicit_master_is_kept_under_mpi():
+    code = ("import json; from launcher.env import detect_environment as d; "
+            "from launcher.rendezvous import resolve_rendezvous as r; "
+            "e = r(d()); print(json.dumps({'addr': e.master_addr, 'port': e.master_port}))")
+    result = run_mpi(2, ["-c", code], timeout=60,
+                     env={"MASTER_ADDR": "10.1.2.3", "MASTER_PORT": "29400"})
+    assert result.returncode == 0, result.output
+    assert json_objects(result.stdout) == [{"addr": "10.1.2.3", "port": 29400}] * 2
+
+
+def test_single_process_gets_loopback_and_a_free_port():
+    env = resolve_rendezvous(detect_environment({}, hostname="h"))
+    assert env.master_addr == "127.0.0.1"
+    with socket.create_server(("127.0.0.1", env.master_port)):
+        pass  # it was free
+
+
+def test_single_process_keeps_given_port():
+    env = resolve_rendezvous(detect_environment({"MASTER_PORT": "29555"}, hostname="h"))
+    assert (env.master_addr, env.master_port) == ("127.0.0.1", 29555)
+
+
+def test_torchrun_and_slurm_are_left_alone():
+    env = detect_environment({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0",
+                              "MASTER_ADDR": "n1", "MASTER_PORT": "1234"}, hostname="h")
+    assert resolve_rendezvous(env) is env
+
+
+def test_no_mpi_and_no_address_is_an_error():
+    env = detect_environment({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}, hostname="h")
+    with pytest.raises(LaunchError) as info:
+        resolve_rendezvous(env)
+    assert "torchrun" in info.value.message and "MASTER_ADDR" in info.value.hint
+    with pytest.raises(LaunchError):
+        resolve_rendezvous(replace(env, master_addr="n1"))
+
+
+def test_mpi_world_that_disagrees_with_the_launcher():
+    """mpi4py on another MPI than the launcher's: every process is a world of one."""
+    code = ("from launcher.env import detect_environment as d; "
+            "from launcher.rendezvous import resolve_rendezvous as r; r(d())")
+    environ = clean_environ({"MV2_COMM_WORLD_RANK": "1", "MV2_COMM_WORLD_SIZE": "2",
+                             "MV2_COMM_WORLD_LOCAL_RANK": "1", "MV2_COMM_WORLD_LOCAL_SIZE": "2"})
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            env=environ, cwd=REPO_ROOT, timeout=60)
+    assert result.returncode != 0
+    assert "launcher says rank 1 of 2 (mvapich) but MPI says rank 0 of 1" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "name, expected",
+    [("localhost", "localhost"), ("192.0.2.5", "192.0.2.5"),
+     ("no-such-host.invalid", "no-such-host.invalid")],
+)
+def test_reachable_address(name, expected):
+    assert reachable_address(name) == expected
