@@ -100,8 +100,6 @@ class Detector:
     """One launcher: ``detect`` says whether it started us, ``read`` where it put us."""
 
     name = ""
-    #: field -> variable, for docs and error messages
-    variables: dict[str, str] = {}
 
     def detect(self, environ: Environ) -> bool:
         raise NotImplementedError
@@ -114,6 +112,8 @@ class MpiDetector(Detector):
     """An MPI launcher that exports rank, size, local rank and local size, nothing else."""
 
     label = ""
+    #: JobEnv field -> the variable it is read from
+    variables: dict[str, str] = {}
 
     def detect(self, environ: Environ) -> bool:
         return self.variables["rank"] in environ
@@ -172,8 +172,6 @@ class Pals(MpiDetector):
         "world_size": "PMI_SIZE",
         "local_rank": "PALS_LOCAL_RANKID",
         "local_world_size": "PALS_LOCAL_SIZE",
-        "node_rank": "PALS_NODEID",
-        "job_id": "PALS_APID",
     }
 
     def read(self, environ: Environ) -> Placement:
@@ -191,15 +189,6 @@ class Pals(MpiDetector):
 
 class Torchrun(Detector):
     name = "torchrun"
-    variables = {
-        "rank": "RANK",
-        "world_size": "WORLD_SIZE",
-        "local_rank": "LOCAL_RANK",
-        "local_world_size": "LOCAL_WORLD_SIZE",
-        "node_rank": "GROUP_RANK",
-        "num_nodes": "GROUP_WORLD_SIZE",
-        "job_id": "TORCHELASTIC_RUN_ID",
-    }
 
     def detect(self, environ: Environ) -> bool:
         return "TORCHELASTIC_RUN_ID" in environ or "RANK" in environ
@@ -233,16 +222,6 @@ class Torchrun(Detector):
 
 class Slurm(Detector):
     name = "slurm"
-    variables = {
-        "rank": "SLURM_PROCID",
-        "world_size": "SLURM_STEP_NUM_TASKS, else SLURM_NTASKS",
-        "local_rank": "SLURM_LOCALID",
-        "local_world_size": "SLURM_STEP_TASKS_PER_NODE, else SLURM_TASKS_PER_NODE",
-        "node_rank": "SLURM_NODEID",
-        "num_nodes": "SLURM_STEP_NUM_NODES, else the node list's length",
-        "hosts": "SLURM_STEP_NODELIST, else SLURM_JOB_NODELIST, else SLURM_NODELIST",
-        "job_id": "SLURM_JOB_ID (SLURM_JOBID), SLURM_STEP_ID (SLURM_STEPID)",
-    }
 
     @staticmethod
     def step_id(environ: Environ) -> str | None:
