@@ -14,6 +14,7 @@ import re
 import shlex
 from dataclasses import dataclass, replace
 
+from ddp_tasks.cluster import hosts as cluster_hosts
 from launcher.env import parse_signal
 from launcher.errors import EXIT_PREEMPTED, LaunchError
 
@@ -61,6 +62,7 @@ class Launch:
     module: str = "launcher.train"
     args: tuple[str, ...] = ()
     env: tuple[tuple[str, str], ...] = ()
+    container_prefix: str = ""  # docker: container names are PREFIX + host (cluster.up --prefix)
 
 
 @dataclass(frozen=True)
@@ -125,11 +127,6 @@ def with_resume(module: str, args: tuple[str, ...]) -> tuple[str, ...]:
     if module != "launcher.train" or any(a.split("=")[0] == "--resume" for a in args):
         return args
     return ("--resume", "auto", *args)
-
-
-def docker_hosts(nodes: int) -> tuple[str, ...]:
-    """The compose cluster's container (and host) names: node0 .. node{N-1}."""
-    return tuple(f"node{i}" for i in range(nodes))
 
 
 def validate(launch: Launch) -> None:
@@ -266,7 +263,7 @@ def srun_argv(launch: Launch) -> tuple[list[str], list[str]]:
 def launch_segments(launch: Launch) -> list[list[str]]:
     """The whole command as non-empty segments; raises LaunchError for a bad ``launch``."""
     if launch.runtime == "docker" and not (launch.hosts or launch.hostfile):
-        launch = replace(launch, hosts=docker_hosts(launch.nodes))
+        launch = replace(launch, hosts=tuple(cluster_hosts(launch.nodes)))
     validate(launch)
     if launch.launcher == "srun":
         launcher, env = srun_argv(launch)
@@ -277,7 +274,7 @@ def launch_segments(launch: Launch) -> list[list[str]]:
     segments = [launcher, env, container_argv(launch), program_argv(launch)]
     if launch.runtime == "docker":
         # mpiexec runs inside the first node's container and reaches the others over ssh
-        segments.insert(0, ["docker", "exec", launch.hosts[0]])
+        segments.insert(0, ["docker", "exec", launch.container_prefix + launch.hosts[0]])
     return [segment for segment in segments if segment]
 
 

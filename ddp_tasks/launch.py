@@ -26,6 +26,7 @@ HELP = {
     "runtime": "apptainer (one `apptainer exec` per rank), docker (mpiexec inside the compose "
     "cluster's node0) or none (python on the host); default apptainer",
     "hosts": "one host per node: a,b or n[1-2] (Slurm form); docker default node0..node{N-1}",
+    "prefix": "for --runtime docker: the container name prefix given to cluster.up --prefix",
     "hostfile": "for mpirun: a host file instead of --hosts",
     "image": "apptainer image (default ddp.sif)",
     "gpus_per_node": "GPUs per node: srun/sbatch --gpus-per-node and apptainer --nv (default 0)",
@@ -87,14 +88,15 @@ def _launch(*, hosts, env, signal, omp_threads, master_addr, master_port, ifname
 @task(
     auto_shortflags=False,
     iterable=["bind", "env"],
-    help=_help("nodes", "procs_per_node", "launcher", "mpi", "runtime", "hosts", "hostfile",
-               "image", "gpus_per_node", "cpus_per_task", "bind", "module", "args", "env",
-               "signal", "omp_threads", "master_addr", "master_port", "ifname", "dry_run"),
+    help=_help("nodes", "procs_per_node", "launcher", "mpi", "runtime", "hosts", "prefix",
+               "hostfile", "image", "gpus_per_node", "cpus_per_task", "bind", "module", "args",
+               "env", "signal", "omp_threads", "master_addr", "master_port", "ifname",
+               "dry_run"),
 )
 def run(c, nodes=1, procs_per_node=1, launcher="mpirun", mpi="mpich", runtime="apptainer",
-        hosts="", hostfile="", image="ddp.sif", gpus_per_node=0, cpus_per_task=0, bind=None,
-        module="launcher.train", args="", env=None, signal="", omp_threads=0, master_addr="",
-        master_port=0, ifname="", dry_run=False):
+        hosts="", prefix="", hostfile="", image="ddp.sif", gpus_per_node=0, cpus_per_task=0,
+        bind=None, module="launcher.train", args="", env=None, signal="", omp_threads=0,
+        master_addr="", master_port=0, ifname="", dry_run=False):
     """Launch NODES x PROCS_PER_NODE ranks of MODULE with mpirun or srun, in a container or not.
 
     Exits with the ranks' status: 0 done, 2 user error, 75 preempted after a checkpoint.
@@ -102,7 +104,7 @@ def run(c, nodes=1, procs_per_node=1, launcher="mpirun", mpi="mpich", runtime="a
     with _user_errors():
         launch = _launch(
             nodes=nodes, procs_per_node=procs_per_node, launcher=launcher, mpi=mpi,
-            runtime=runtime, hosts=hosts, hostfile=hostfile, image=image,
+            runtime=runtime, hosts=hosts, container_prefix=prefix, hostfile=hostfile, image=image,
             gpus_per_node=gpus_per_node, cpus_per_task=cpus_per_task, bind=bind, module=module,
             args=tuple(shlex.split(args)), env=env, signal=signal, omp_threads=omp_threads,
             master_addr=master_addr, master_port=master_port, ifname=ifname,

@@ -59,8 +59,10 @@ RUN_CASES = {
                env=program_env("USR2")),
     ),
     "run_mpich_docker": (
-        ["--nodes", "2", "--procs-per-node", "2", "--runtime", "docker", "--ifname", "eth0"],
-        Launch(nodes=2, procs_per_node=2, runtime="docker", env=program_env("USR1", ifname="eth0")),
+        ["--nodes", "2", "--procs-per-node", "2", "--runtime", "docker", "--prefix", "t1-",
+         "--ifname", "eth0"],
+        Launch(nodes=2, procs_per_node=2, runtime="docker", container_prefix="t1-",
+               env=program_env("USR1", ifname="eth0")),
     ),
     "run_none": (
         ["--procs-per-node", "2", "--runtime", "none", "--master-addr", "127.0.0.1",
