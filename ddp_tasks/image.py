@@ -7,6 +7,7 @@ the work is done by debootstrap, docker-py (the Docker engine API) and apptainer
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import shutil
 import subprocess
@@ -17,6 +18,7 @@ from pathlib import Path
 from invoke import task
 
 from ddp_tasks import image_commands as ic
+from launcher import __version__
 from launcher.errors import LaunchError
 
 DOCKER_TIMEOUT = 3600  # seconds; a cold build downloads a few hundred MB of wheels
@@ -95,4 +97,185 @@ def base(c, tag=ic.DEFAULT_BASE_TAG, suite="bookworm", mirror=ic.DEBIAN_MIRROR):
     make_base(tag, suite, mirror)
 
 
-TASKS = [base]
+
+# --------------------------------------------------------------------------------------- build
+
+def stage_build_inputs(wheelhouse: str, ca_bundle: str, root: Path = ic.ROOT) -> Path:
+    """Fill ``.build-inputs/`` in the context: links to the wheels, a copy of the CA bundle.
+
+    Stateless: what a previous build left there is replaced, so a build without ``--ca-bundle``
+    never uses an old bundle.
+    """
+    inputs = root / ic.BUILD_INPUTS
+    shutil.rmtree(inputs, ignore_errors=True)
+    (inputs / "wheelhouse").mkdir(parents=True)
+    source = Path(wheelhouse) if wheelhouse else None
+    if source is not None and not source.is_dir():
+        raise LaunchError(f"wheelhouse {source} is not a directory",
+                          hint="create it with `pip download --no-deps torch==VERSION -d DIR` "
+                               "or leave --wheelhouse out")
+    for wheel in sorted(source.glob("*.whl")) if source else []:
+        target = inputs / "wheelhouse" / wheel.name
+        try:
+            target.hardlink_to(wheel)
+        except OSError:  # another filesystem: copy instead
+            shutil.copy2(wheel, target)
+    if ca_bundle:
+        bundle = Path(ca_bundle)
+        if not bundle.is_file():
+            raise LaunchError(f"CA bundle {bundle} does not exist",
+                              hint="give the full bundle your host trusts, e.g. "
+                                   "/etc/ssl/certs/ca-certificates.crt")
+        shutil.copy2(bundle, inputs / ic.CA_BUNDLE_NAME)
+    return inputs
+
+
+def stream_build(client, out=sys.stdout, **kwargs) -> str:
+    """Run a build through the engine API, print its progress, return the image id."""
+    image_id = ""
+    for chunk in client.api.build(decode=True, rm=True, forcerm=True, **kwargs):
+        if "error" in chunk:
+            raise LaunchError(f"image build failed: {chunk['error'].strip()}",
+                              hint="the build log above shows the failing step")
+        if "stream" in chunk:
+            out.write(chunk["stream"])
+            out.flush()
+        image_id = chunk.get("aux", {}).get("ID", image_id)
+    return image_id
+
+
+def build_image(*, flavor: str = "cpu", name: str = ic.DEFAULT_NAME, base_image: str = "",
+                wheelhouse: str = ic.DEFAULT_WHEELHOUSE, ca_bundle: str = "",
+                keep_ca: bool = False, build_args: str = "", target: str = "runtime",
+                nocache: bool = False, out=sys.stdout) -> str:
+    """Build docker/Dockerfile as NAME:FLAVOR; returns the tag (the work behind `invoke build`)."""
+    tag = ic.image_tag(name, flavor)
+    wheelhouse_path = ic.ROOT / wheelhouse if wheelhouse else None
+    if wheelhouse_path is not None and wheelhouse == ic.DEFAULT_WHEELHOUSE \
+            and not wheelhouse_path.is_dir():
+        wheelhouse_path = None  # the default is optional; an explicit directory is not
+    inputs = stage_build_inputs(str(wheelhouse_path or ""), ca_bundle)
+    has_torch = any((inputs / "wheelhouse").glob("torch-*.whl"))
+    args = ic.build_args(
+        flavor=flavor, base_image=base_image,
+        identity=ic.image_identity(name, __version__, flavor),
+        torch_index_url=ic.torch_index_for(flavor, has_torch),
+        source_digest=ic.source_digest(), keep_ca=keep_ca,
+        extra=ic.parse_build_args(build_args))
+    print(f"building {tag} (target {target}) with " + " ".join(
+        f"{k}={v}" for k, v in args.items()), file=out, flush=True)
+    client = docker_client()
+    stream_build(client, out=out, path=str(ic.ROOT), dockerfile="docker/Dockerfile", tag=tag,
+                 buildargs=args, target=target, nocache=nocache)
+    return tag
+
+
+@task(help={
+    "flavor": "cpu (Debian base, CPU torch) or cuda (NVIDIA CUDA base, CUDA torch, NCCL)",
+    "name": f"image name; the tag is NAME:FLAVOR (default {ic.DEFAULT_NAME})",
+    "base_image": "base image for both stages, e.g. ddp-base:bookworm from `invoke base` "
+                  "(default: debian:bookworm-slim for cpu, nvidia/cuda for cuda)",
+    "wheelhouse": f"directory of wheels for pip --find-links, e.g. the torch wheel "
+                  f"(default {ic.DEFAULT_WHEELHOUSE}/ when it exists)",
+    "ca_bundle": "full CA bundle pip trusts during the build, for TLS-intercepting proxies "
+                 "(default: $PIP_CERT); not kept in the image unless --keep-ca",
+    "keep_ca": "also install the CA bundle into the runtime image's trust store",
+    "build_args": "more build arguments, NAME=VALUE,NAME=VALUE (e.g. TORCH_VERSION=2.13.0)",
+    "target": "Dockerfile stage to build: runtime (default) or torch-source (hours)",
+    "nocache": "ignore the build cache",
+})
+def build(c, flavor="cpu", name=ic.DEFAULT_NAME, base_image="",
+          wheelhouse=ic.DEFAULT_WHEELHOUSE, ca_bundle="", keep_ca=False, build_args="",
+          target="runtime", nocache=False):
+    """Build the image for one flavor from docker/Dockerfile (progress is streamed)."""
+    build_image(flavor=flavor, name=name, base_image=base_image, wheelhouse=wheelhouse,
+                ca_bundle=ca_bundle or os.environ.get("PIP_CERT", ""), keep_ca=keep_ca,
+                build_args=build_args, target=target, nocache=nocache)
+
+
+# ---------------------------------------------------------------------------------------- push
+
+def push_image(*, registry: str, flavor: str = "cpu", name: str = ic.DEFAULT_NAME,
+               out=sys.stdout) -> str:
+    """Tag NAME:FLAVOR as REGISTRY/NAME:FLAVOR, push it, return ``REGISTRY/NAME@DIGEST``.
+
+    Credentials come from the user's docker config (``docker login``), as docker-py reads it.
+    """
+    if not registry:
+        raise LaunchError("no registry to push to",
+                          hint="pass --registry HOST[:PORT][/PATH] or set DDP_REGISTRY")
+    client = docker_client()
+    local = ic.image_tag(name, flavor)
+    if not image_exists(client, local):
+        raise LaunchError(f"image {local} does not exist", hint="build it first: invoke build")
+    repository, tag = ic.push_reference(registry, name, flavor)
+    client.images.get(local).tag(repository, tag)
+    digest = ""
+    for chunk in client.api.push(repository, tag=tag, stream=True, decode=True):
+        if "error" in chunk:
+            raise LaunchError(f"push of {repository}:{tag} failed: {chunk['error']}",
+                              hint="log in with `docker login " + registry.split("/")[0] +
+                                   "`; a plain-HTTP registry other than localhost must be "
+                                   "listed in the engine's insecure-registries")
+        if chunk.get("status") and "id" not in chunk:
+            print(chunk["status"], file=out, flush=True)
+        digest = chunk.get("aux", {}).get("Digest", digest)
+    reference = f"{repository}@{digest}"
+    print(f"pushed {reference}", file=out, flush=True)
+    return reference
+
+
+@task(help={
+    "registry": "registry to push to, HOST[:PORT][/PATH] (default: $DDP_REGISTRY)",
+    "flavor": "flavor of the local image NAME:FLAVOR to push (default cpu)",
+    "name": f"image name (default {ic.DEFAULT_NAME})",
+})
+def push(c, registry="", flavor="cpu", name=ic.DEFAULT_NAME):
+    """Push NAME:FLAVOR to a registry and print its digest (credentials: ~/.docker/config.json)."""
+    push_image(registry=registry or os.environ.get("DDP_REGISTRY", ""), flavor=flavor, name=name)
+
+
+# ----------------------------------------------------------------------------------------- sif
+
+def sif_plan(*, output: str, source: str, image: str, executable: str = "apptainer",
+             fakeroot: bool = False) -> tuple[Path, str, list[str]]:
+    """``(def path, def text, command)`` for ``apptainer build``: the repository's def as is
+    for its own source and image, else a copy pointed at IMAGE under build/."""
+    text = ic.APPTAINER_DEF.read_text()
+    wanted = ic.sif_definition(text, source, image)
+    path = ic.APPTAINER_DEF if wanted == text else ic.ROOT / "build" / f"ddp-{source}.def"
+    return path, wanted, ic.sif_command(output, str(path), executable, fakeroot)
+
+
+@task(help={
+    "output": "SIF file to write (default ddp-FLAVOR.sif)",
+    "flavor": "flavor of the image to convert (default cpu)",
+    "name": f"image name (default {ic.DEFAULT_NAME})",
+    "source": "where apptainer reads the image: docker-daemon (local engine, default), "
+              "docker-archive (a `docker save` tarball: give --image FILE.tar) or docker "
+              "(a registry: give --image REGISTRY/NAME:TAG)",
+    "image": "image reference for --source (default NAME:FLAVOR)",
+    "fakeroot": "build with --fakeroot (unprivileged users)",
+    "dry_run": "print the definition file path and the command, run nothing",
+})
+def sif(c, output="", flavor="cpu", name=ic.DEFAULT_NAME, source="docker-daemon", image="",
+        fakeroot=False, dry_run=False):
+    """Build an Apptainer SIF from the Docker image with apptainer/ddp.def."""
+    executable = shutil.which("apptainer") or shutil.which("singularity") or "apptainer"
+    path, text, command = sif_plan(output=output or f"{name}-{flavor}.sif", source=source,
+                                   image=image or ic.image_tag(name, flavor),
+                                   executable=Path(executable).name, fakeroot=fakeroot)
+    print(shlex.join(command), flush=True)
+    if dry_run:
+        return
+    if not shutil.which(command[0]):
+        raise LaunchError("apptainer is not installed",
+                          hint="install Apptainer (https://apptainer.org/docs/admin/main/"
+                               "installation.html) or use --dry-run to see the command")
+    if path != ic.APPTAINER_DEF:
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(text)
+    subprocess.run(command, check=True, timeout=7200, cwd=ic.ROOT)
+
+
+TASKS = [base, build, push, sif]

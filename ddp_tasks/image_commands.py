@@ -14,11 +14,12 @@ ROOT = Path(__file__).resolve().parent.parent
 DOCKERFILE = ROOT / "docker" / "Dockerfile"
 APPTAINER_DEF = ROOT / "apptainer" / "ddp.def"
 
-#: build inputs the Dockerfile copies from the context: wheels for ``pip --find-links`` and an
-#: optional extra CA bundle (both git-ignored, never part of the runtime image by default)
-WHEELHOUSE_DIR = ".wheelhouse"
-BUILD_INPUTS_DIR = ".build-inputs"
+#: the build inputs the Dockerfile copies from the context (git-ignored, never part of the runtime
+#: image by default): ``wheelhouse/`` for ``pip --find-links`` and an optional CA bundle
+BUILD_INPUTS = ".build-inputs"
 CA_BUNDLE_NAME = "extra-ca.crt"
+#: where ``pip download ... -d .wheelhouse`` puts wheels by default; the build links them in
+DEFAULT_WHEELHOUSE = ".wheelhouse"
 
 FLAVORS = ("cpu", "cuda")
 DEFAULT_NAME = "ddp"
@@ -30,15 +31,21 @@ TORCH_INDEX = {
     "cpu": "https://download.pytorch.org/whl/cpu",
     "cuda": "https://download.pytorch.org/whl/cu128",
 }
-#: the runtime base each flavor defaults to; cuda is documented, not buildable without a registry
-DEFAULT_BASE_IMAGE = {
-    "cpu": "debian:bookworm-slim",
-    "cuda": "nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04",
+#: build arguments each flavor changes from the Dockerfile's defaults (which are the cpu ones);
+#: cuda is documented, not buildable here: its base image needs a registry
+FLAVOR_ARGS = {
+    "cpu": {},
+    "cuda": {
+        "BASE_IMAGE": "nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04",
+        "PYTHON_VERSION": "3.12",
+        "CUDA_VERSION": "12.8",
+    },
 }
 
 _ARG_RE = re.compile(r"^ARG\s+([A-Za-z_][A-Za-z0-9_]*)(?:=(\S*))?\s*$")
 # files whose content decides the image: a change here means the image must be rebuilt
-_SOURCE_GLOBS = ("docker/Dockerfile", ".dockerignore", "pyproject.toml", "launcher/**/*.py")
+_SOURCE_GLOBS = ("docker/Dockerfile", ".dockerignore", "pyproject.toml", "launcher/**/*.py",
+                 f"{BUILD_INPUTS}/**/*")
 
 
 def dockerfile_args(text: str) -> dict[str, str]:
@@ -75,19 +82,20 @@ def check_flavor(flavor: str) -> None:
                           hint=f"use one of: {', '.join(FLAVORS)}")
 
 
-def build_args(*, flavor: str, base_image: str, identity: str, torch_index_url: str,
-               source_digest: str, keep_ca: bool = False,
+def build_args(*, flavor: str, identity: str, torch_index_url: str, source_digest: str,
+               base_image: str = "", keep_ca: bool = False,
                extra: dict[str, str] | None = None) -> dict[str, str]:
-    """``--build-arg`` values for docker/Dockerfile; ``extra`` overrides any pin."""
+    """``--build-arg`` values for docker/Dockerfile; ``extra`` overrides any of them."""
     check_flavor(flavor)
-    args = {
-        "BASE_IMAGE": base_image,
-        "FLAVOR": flavor,
+    args = {"FLAVOR": flavor, **FLAVOR_ARGS[flavor]}
+    if base_image:
+        args["BASE_IMAGE"] = base_image
+    args.update({
         "DDP_IMAGE": identity,
         "TORCH_INDEX_URL": torch_index_url,
         "SOURCE_DIGEST": source_digest,
         "KEEP_EXTRA_CA": "1" if keep_ca else "0",
-    }
+    })
     args.update(extra or {})
     return args
 
@@ -120,7 +128,7 @@ def source_digest(root: Path = ROOT) -> str:
     digest = hashlib.sha256()
     for pattern in _SOURCE_GLOBS:
         for path in sorted(root.glob(pattern)):
-            if "__pycache__" in path.parts:
+            if "__pycache__" in path.parts or not path.is_file():
                 continue
             digest.update(str(path.relative_to(root)).encode())
             digest.update(path.read_bytes())
@@ -157,24 +165,24 @@ def push_reference(registry: str, name: str, flavor: str) -> tuple[str, str]:
     return repository, flavor
 
 
+#: Apptainer's bootstrap agents for a Docker image: the local engine, a ``docker save`` tarball,
+#: or a registry (``From:`` is then ``REGISTRY/NAME:TAG``)
 SIF_SOURCES = ("docker-daemon", "docker-archive", "docker")
+_HEADER_RE = re.compile(r"^(Bootstrap|From):.*$", re.MULTILINE)
 
 
-def sif_command(output: str, image: str, source: str = "docker-daemon",
-                definition: Path = APPTAINER_DEF, executable: str = "apptainer",
-                fakeroot: bool = False) -> list[str]:
-    """``apptainer build`` for the SIF; the definition's ``From:`` is overridden by the image.
-
-    ``--build-arg`` fills the def's ``{{ source }}``/``{{ image }}`` templates (Apptainer >= 1.2).
-    """
+def sif_definition(text: str, source: str, image: str) -> str:
+    """The def file with its header pointed at IMAGE through the SOURCE bootstrap agent."""
     if source not in SIF_SOURCES:
         from launcher.errors import LaunchError
 
         raise LaunchError(f"unknown SIF source {source!r}",
                           hint=f"use one of: {', '.join(SIF_SOURCES)}")
-    command = [executable, "build"]
-    if fakeroot:
-        command.append("--fakeroot")
-    command += ["--build-arg", f"source={source}", "--build-arg", f"image={image}",
-                output, str(definition)]
-    return command
+    values = {"Bootstrap": source, "From": image}
+    return _HEADER_RE.sub(lambda m: f"{m.group(1)}: {values[m.group(1)]}", text)
+
+
+def sif_command(output: str, definition: str, executable: str = "apptainer",
+                fakeroot: bool = False) -> list[str]:
+    """``apptainer build [--fakeroot] OUTPUT DEFINITION``."""
+    return [executable, "build", *(["--fakeroot"] if fakeroot else []), output, definition]
