@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -143,3 +144,18 @@ def test_sbatch_script_and_mpiexec_inside(slurm_cluster, tmp_path):
     for rank, record in ranks.items():
         assert (record["launcher"], record["world_size"], record["local_rank"]) == (
             "hydra", 2, rank)
+
+
+@pytest.mark.mpi
+def test_run_mpi_timeout_kills_every_rank(tmp_path):
+    """The fixture's promise to other tests: a hung run ends at its timeout, ranks and all."""
+    code = (f"import os, time; open(r'{tmp_path}/' + os.environ['PMI_RANK'], 'w')"
+            ".write(str(os.getpid())); time.sleep(600)")
+    result = run_mpi(2, ["-c", code], timeout=5)
+    assert result.timed_out and result.returncode != 0
+    pids = [int(path.read_text()) for path in tmp_path.iterdir()]
+    assert len(pids) == 2
+    deadline = time.monotonic() + 10
+    while any(Path(f"/proc/{pid}").exists() for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(Path(f"/proc/{pid}").exists() for pid in pids)
