@@ -290,7 +290,7 @@ def batch_script(launch: Launch, batch: Batch) -> str:
     if batch.signal_seconds < 1:
         raise LaunchError(
             f"--signal-seconds {batch.signal_seconds} leaves no time to save a checkpoint",
-            hint="pass --signal-seconds 60 or more (Slurm's signal timing is +-60 s)",
+            hint="pass --signal-seconds 60 or more: time to finish a step and write a checkpoint",
         )
     directives = [
         f"--job-name={batch.job_name}",
