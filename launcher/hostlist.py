@@ -87,13 +87,11 @@ def _expand_entry(entry: str, variable: str, text: str) -> list[str]:
         count *= len(group)
     if count > MAX_HOSTS:
         raise _bad(variable, text, f"{entry!r} expands to more than {MAX_HOSTS} hosts")
-    names = []
-    for combo in itertools.product(*groups):
-        names.append(
-            "".join(lit + value for lit, value in zip(literals, combo, strict=False))
-            + literals[-1]
-        )
-    return names
+    # literals has one entry more than groups: zip drops the last, added after the join
+    return [
+        "".join(lit + value for lit, value in zip(literals, combo, strict=False)) + literals[-1]
+        for combo in itertools.product(*groups)
+    ]
 
 
 def expand_hostlist(text: str, variable: str = "SLURM_JOB_NODELIST") -> list[str]:
