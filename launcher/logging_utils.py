@@ -1,0 +1,78 @@
+"""What people see: rank-0 log lines or a progress bar, JSON-lines metrics, parameter hashes."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import time
+from pathlib import Path
+from typing import TextIO
+
+import torch
+from torch import nn
+
+
+class RankLog:
+    """Log lines and metrics from rank 0 only; other ranks stay quiet (errors aside)."""
+
+    def __init__(self, is_main: bool, metrics_path: Path | None, stream: TextIO = sys.stdout):
+        self.is_main = is_main
+        self.stream = stream
+        # a progress bar only where someone watches a terminal; plain lines in job logs
+        self.tty = is_main and stream.isatty()
+        self._bar_open = False
+        self._metrics = None
+        if is_main and metrics_path is not None:
+            metrics_path.parent.mkdir(parents=True, exist_ok=True)
+            self._metrics = metrics_path.open("a", encoding="utf-8")
+
+    def info(self, text: str) -> None:
+        if self.is_main:
+            self._end_bar()
+            print(text, file=self.stream, flush=True)
+
+    def warn(self, text: str) -> None:
+        if self.is_main:
+            self._end_bar()
+            print(f"warning: {text}", file=sys.stderr, flush=True)
+
+    def progress(self, step: int, total: int, text: str) -> None:
+        """A bar redrawn in place on a terminal; a plain line otherwise."""
+        if not self.is_main:
+            return
+        if not self.tty:
+            print(f"step {step}/{total} {text}", file=self.stream, flush=True)
+            return
+        width = 30
+        done = width * step // max(total, 1)
+        bar = "#" * done + "." * (width - done)
+        self.stream.write(f"\r[{bar}] {step}/{total} {text}\x1b[K")
+        self.stream.flush()
+        self._bar_open = True
+
+    def metrics(self, record: dict) -> None:
+        if self._metrics is not None:
+            self._metrics.write(json.dumps({"time": round(time.time(), 3), **record}) + "\n")
+            self._metrics.flush()
+
+    def close(self) -> None:
+        self._end_bar()
+        if self._metrics is not None:
+            self._metrics.close()
+            self._metrics = None
+
+    def _end_bar(self) -> None:
+        if self._bar_open:
+            self.stream.write("\n")
+            self._bar_open = False
+
+
+def parameter_sha256(module: nn.Module) -> str:
+    """SHA-256 over the bytes of every parameter (CPU copies) in ``named_parameters`` order."""
+    digest = hashlib.sha256()
+    for name, param in module.named_parameters():
+        digest.update(name.encode())
+        digest.update(param.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())
+    return digest.hexdigest()
+

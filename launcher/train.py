@@ -1,0 +1,476 @@
+"""``python -m launcher.train``: DDP training that scales, survives preemption, resumes bit-exact.
+
+Read top to bottom: ``main`` is the table of contents. The environment is detected, the process
+group comes up (and always goes down again), ``Trainer.build`` prepares data, model and optimizer
+and resumes from a checkpoint, ``Trainer.fit`` runs the epochs. Exit status: 0 done, 2 a user
+error (the same message on every rank), 75 preempted after saving a checkpoint (requeue and run
+the same command again: ``--resume auto`` continues where it stopped).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DistributedSampler
+
+from launcher import checkpoint
+from launcher.config import TrainConfig, parse_args
+from launcher.data import Dataset, load_dataset
+from launcher.env import JobEnv, detect_environment
+from launcher.errors import EXIT_PREEMPTED, LaunchError, report_and_exit
+from launcher.logging_utils import RankLog, parameter_sha256
+from launcher.models import ModelSpec, build_model, check_output
+from launcher.preemption import Preempted, PreemptionWatch
+from launcher.process_group import DistContext, process_group, raise_if_any_rank_failed
+
+#: settings a resumed run must share with the checkpoint, or it would not continue the same run
+RESUME_MUST_MATCH = ("model", "dataset", "global_batch_size", "grad_accum", "seed", "epochs",
+                     "lr", "dropout")
+
+
+def main(argv: list[str] | None = None) -> None:
+    env: JobEnv | None = None
+    try:
+        env = detect_environment()
+        config = parse_args(argv)
+        with PreemptionWatch(env.preempt_signal) as watch, \
+                process_group(env, config.backend, config.timeout_s) as ctx:
+            trainer = Trainer.build(config, ctx, watch)
+            try:
+                trainer.fit()
+            finally:
+                trainer.log.close()
+            print(f"param-sha256 rank={ctx.env.rank} {parameter_sha256(trainer.module)}",
+                  flush=True)
+    except LaunchError as error:
+        report_and_exit(error, env.rank if env else None)
+    except Preempted:
+        sys.exit(EXIT_PREEMPTED)
+
+
+@dataclass
+class StepTimes:
+    """Seconds spent in one optimizer step, summed over its micro-batches."""
+
+    forward: float = 0.0
+    backward: float = 0.0  # with DDP this includes the all-reduce it overlaps
+    comm: float = 0.0  # inside all-reduce: exact for --sync manual, futures' lifetime for DDP
+    optimizer: float = 0.0
+
+
+@dataclass
+class Position:
+    """Where training stands: the step count and the place in the epoch's batch order."""
+
+    step: int = 0
+    epoch: int = 0
+    batch: int = 0  # batches of the current epoch already consumed
+
+
+@dataclass
+class Trainer:
+    config: TrainConfig
+    ctx: DistContext
+    watch: PreemptionWatch
+    log: RankLog
+    data: Dataset
+    spec: ModelSpec
+    model: nn.Module  # what the step calls: the DDP wrapper, or the module itself (manual sync)
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: torch.amp.GradScaler
+    sampler: DistributedSampler
+    micro_batch: int
+    position: Position = field(default_factory=Position)
+    comm_seconds: list[float] = field(default_factory=lambda: [0.0])
+    last_saved: int = -1
+
+    @property
+    def module(self) -> nn.Module:
+        return self.spec.module
+
+    @property
+    def env(self) -> JobEnv:
+        return self.ctx.env
+
+    @property
+    def device(self) -> torch.device:
+        return self.ctx.device
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return len(self.sampler) // (self.micro_batch * self.config.grad_accum)
+
+    # --- set-up -----------------------------------------------------------------------------
+
+    @classmethod
+    def build(cls, config: TrainConfig, ctx: DistContext, watch: PreemptionWatch) -> Trainer:
+        env, device = ctx.env, ctx.device
+        log = RankLog(env.is_main, config.metrics_path)
+        _use_cores_fairly(env, device)
+        micro_batch = config.per_rank_batch(env.world_size)
+        if config.precision == "fp16" and device.type != "cuda":
+            raise LaunchError("--precision fp16 needs a GPU (GradScaler); this rank runs on CPU",
+                              hint="use --precision bf16 on CPU, or run on GPUs")
+        log.info(f"training {config.model} on {config.dataset}: {env.world_size} rank(s), "
+                 f"backend {ctx.backend}, device {device.type}, global batch "
+                 f"{config.global_batch_size} = {env.world_size} x {config.grad_accum} x "
+                 f"{micro_batch}, sync {config.sync}, precision {config.precision}")
+        data = load_dataset(config.dataset, config.data_dir, env.local_rank)
+        spec = _build_checked_model(config, data, env)
+        spec.module.to(device)
+        state = _resume_state(config, ctx, log)
+        if state is not None:
+            spec.module.load_state_dict(state["model"])
+        if device.type == "cuda" and env.is_distributed:
+            spec = ModelSpec(nn.SyncBatchNorm.convert_sync_batchnorm(spec.module), spec.task)
+        optimizer = torch.optim.SGD(spec.module.parameters(), lr=config.lr, momentum=0.9)
+        sampler = DistributedSampler(data.train, num_replicas=env.world_size, rank=env.rank,
+                                     shuffle=True, seed=config.seed, drop_last=True)
+        steps = config.epochs * (len(sampler) // (micro_batch * config.grad_accum))
+        if steps == 0:
+            raise LaunchError(f"--global-batch-size {config.global_batch_size} is larger than "
+                              f"the {len(data.train)} training samples", hint="use a smaller one")
+        scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=steps)
+        scaler = torch.amp.GradScaler(device.type, enabled=config.precision == "fp16")
+        trainer = cls(config, ctx, watch, log, data, spec, spec.module, optimizer, scheduler,
+                      scaler, sampler, micro_batch)
+        trainer._wrap_for_sync()
+        # each rank its own dropout stream, derived from the one seed (init used the seed itself)
+        torch.manual_seed(config.seed + 1 + env.rank)
+        if state is not None:
+            trainer._load_state(state)
+        return trainer
+
+    def _wrap_for_sync(self) -> None:
+        if not self.env.is_distributed:
+            return
+        if self.config.sync == "ddp":
+            device_ids = [self.device.index] if self.device.type == "cuda" else None
+            ddp = DistributedDataParallel(self.module, device_ids=device_ids)
+            ddp.register_comm_hook(self.comm_seconds, _timed_allreduce)
+            self.model = ddp
+        else:
+            for tensor in self.module.state_dict().values():
+                dist.broadcast(tensor, src=0)
+
+    # --- checkpoints ------------------------------------------------------------------------
+
+    def _state(self) -> dict:
+        """Collective: the checkpoint contents, with every rank's RNG states (on rank 0)."""
+        rng: list[object] = [None] * self.env.world_size
+        mine = checkpoint.capture_rng(self.device)
+        if self.env.is_distributed:
+            dist.all_gather_object(rng, mine)
+        else:
+            rng[0] = mine
+        p = self.position
+        return {
+            "format": 1, "step": p.step, "epoch": p.epoch, "batch": p.batch,
+            "world_size": self.env.world_size, "config": self.config.to_dict(),
+            "model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
+            "rng": rng,
+        }
+
+    def _load_state(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.scaler.load_state_dict(state["scaler"])
+        checkpoint.restore_rng(state["rng"][self.env.rank], self.device)
+        self.position = Position(state["step"], state["epoch"], state["batch"])
+        self.last_saved = state["step"]
+
+    def save(self) -> str:
+        """Collective: rank 0 writes the checkpoint; every rank learns whether that worked."""
+        state = self._state()
+        path, error = "", None
+        if self.env.is_main:
+            try:
+                path = str(checkpoint.save(self.config.checkpoint_dir, self.position.step, state,
+                                           self.config.keep))
+            except OSError as exc:
+                error = LaunchError(f"cannot write a checkpoint to {self.config.checkpoint_dir}: "
+                                    f"{exc}", hint="check free space and permissions of "
+                                    "--run-dir")
+        raise_if_any_rank_failed(error)
+        self.last_saved = self.position.step
+        return path
+
+    # --- the loop ---------------------------------------------------------------------------
+
+    def fit(self) -> None:
+        config, p = self.config, self.position
+        total = config.epochs * self.steps_per_epoch
+        if p.epoch >= config.epochs:
+            self.log.info(f"training already complete at step {p.step}: nothing to do "
+                          f"(use a new --run-dir or --resume none to train again)")
+            return
+        start = time.perf_counter()
+        while p.epoch < config.epochs:
+            self.sampler.set_epoch(p.epoch)
+            batches = self._epoch_batches()
+            while p.batch < len(batches):
+                if self.watch.agreed(self.device):
+                    self._preempt()
+                if config.max_steps and p.step >= config.max_steps:
+                    self._stop_early()
+                    return
+                loss, times, seconds = self._step(batches[p.batch])
+                p.step += 1
+                p.batch += 1
+                if p.step % config.log_every == 0 or p.batch == len(batches):
+                    self._report_step(loss, times, seconds, total)
+                if config.checkpoint_every and p.step % config.checkpoint_every == 0:
+                    self.save()
+            self._report_eval(self.evaluate())
+            p.epoch += 1
+            p.batch = 0
+        # saved even when this step already was: the final checkpoint records the run as done
+        path = self.save()
+        self.log.info(f"saved {path}")
+        self.log.info(f"done: {p.step} steps in {time.perf_counter() - start:.1f} s")
+
+    def _epoch_batches(self) -> list[torch.Tensor]:
+        per_step = self.micro_batch * self.config.grad_accum
+        order = torch.tensor(list(self.sampler), dtype=torch.long)
+        return [order[i * per_step:(i + 1) * per_step] for i in range(self.steps_per_epoch)]
+
+    def _step(self, indices: torch.Tensor) -> tuple[float, StepTimes, float]:
+        """One optimizer step over ``indices`` (this rank's share of the global batch)."""
+        times, started = StepTimes(), time.perf_counter()
+        self.comm_seconds[0] = 0.0
+        micro = indices.split(self.micro_batch)
+        total_loss = 0.0
+        for i, idx in enumerate(micro):
+            last = i == len(micro) - 1
+            skip_sync = isinstance(self.model, DistributedDataParallel) and not last
+            with self.model.no_sync() if skip_sync else nullcontext():
+                t0 = time.perf_counter()
+                loss = self._loss(idx) / len(micro)
+                t1 = time.perf_counter()
+                self.scaler.scale(loss).backward()
+                times.forward += t1 - t0
+                times.backward += time.perf_counter() - t1
+            total_loss += loss.item()
+        if self.config.sync == "manual" and self.env.is_distributed:
+            t0 = time.perf_counter()
+            _allreduce_gradients(self.module)
+            self.comm_seconds[0] += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        times.optimizer = time.perf_counter() - t0
+        times.comm = self.comm_seconds[0]
+        return total_loss, times, time.perf_counter() - started
+
+    def _loss(self, idx: torch.Tensor) -> torch.Tensor:
+        images = self.data.train.images[idx].to(self.device, non_blocking=True)
+        if self.config.sync == "manual" and self.env.is_distributed:
+            # what DDP's broadcast_buffers does: batch-norm running stats follow rank 0
+            for buffer in self.module.buffers():
+                dist.broadcast(buffer, src=0)
+        with self._autocast():
+            out = self.model(images)
+            if self.spec.task == "reconstruct":
+                return F.mse_loss(out.float(), images)
+            labels = self.data.train.labels[idx].to(self.device, non_blocking=True)
+            return F.cross_entropy(out.float(), labels)
+
+    def _autocast(self):
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.config.precision)
+        return torch.autocast(self.device.type, dtype=dtype, enabled=dtype is not None)
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Collective: loss (and accuracy) on the held-out split, summed over all ranks."""
+        self.module.eval()
+        test = self.data.test
+        idx = torch.arange(self.env.rank, len(test), self.env.world_size)
+        sums = torch.zeros(3, dtype=torch.float64, device=self.device)
+        for chunk in idx.split(256):
+            images = test.images[chunk].to(self.device)
+            with self._autocast():
+                out = self.module(images).float()
+            if self.spec.task == "reconstruct":
+                sums[0] += F.mse_loss(out, images, reduction="none").flatten(1).mean(1).sum()
+            else:
+                labels = test.labels[chunk].to(self.device)
+                sums[0] += F.cross_entropy(out, labels, reduction="sum")
+                sums[1] += (out.argmax(1) == labels).sum()
+            sums[2] += len(chunk)
+        self.module.train()
+        if self.env.is_distributed:
+            dist.all_reduce(sums)
+        result = {"test_loss": sums[0].item() / sums[2].item()}
+        if self.spec.task == "classify":
+            result["test_accuracy"] = sums[1].item() / sums[2].item()
+        return result
+
+    # --- stopping ---------------------------------------------------------------------------
+
+    def _preempt(self) -> None:
+        path = self.save()
+        self.log.info(f"preemption signal received: saved {path} at step {self.position.step}; "
+                      f"exiting with {EXIT_PREEMPTED} (run the same command again to resume)")
+        raise Preempted(path)
+
+    def _stop_early(self) -> None:
+        if self.last_saved != self.position.step:
+            path = self.save()
+            self.log.info(f"saved {path}")
+        self.log.info(f"stopped at --max-steps {self.config.max_steps}")
+
+    # --- reporting --------------------------------------------------------------------------
+
+    def _report_step(self, loss: float, times: StepTimes, seconds: float, total: int) -> None:
+        """Collective: the loss averaged over ranks; rank 0 logs it and writes a metrics line."""
+        if self.env.is_distributed:
+            mean = torch.tensor([loss], dtype=torch.float64, device=self.device)
+            dist.all_reduce(mean)
+            loss = mean.item() / self.env.world_size
+        p = self.position
+        rate = self.config.global_batch_size / seconds
+        self.log.metrics({
+            "event": "step", "step": p.step, "epoch": p.epoch, "loss": loss,
+            "lr": self.scheduler.get_last_lr()[0], "samples_per_s": rate, "t_step": seconds,
+            "t_forward": times.forward, "t_backward": times.backward, "t_comm": times.comm,
+            "t_optimizer": times.optimizer, "t_compute": max(seconds - times.comm, 0.0),
+        })
+        self.log.progress(p.step, total, f"epoch {p.epoch} loss {loss:.4f} {rate:.0f} samples/s")
+
+    def _report_eval(self, result: dict[str, float]) -> None:
+        p = self.position
+        self.log.metrics({"event": "eval", "step": p.step, "epoch": p.epoch, **result})
+        text = " ".join(f"{key} {value:.4f}" for key, value in result.items())
+        self.log.info(f"epoch {p.epoch} step {p.step}: {text}")
+
+
+def _build_checked_model(config: TrainConfig, data: Dataset, env: JobEnv) -> ModelSpec:
+    """The model, built the same way on every rank; a bad one is an error on all ranks."""
+    error, spec = None, None
+    try:
+        torch.manual_seed(config.seed)
+        spec = build_model(config.model, data.num_classes, config.dropout)
+        check_output(spec, data.train.images[:2], data.num_classes, config.model)
+    except LaunchError as exc:
+        error = exc
+    raise_if_any_rank_failed(error)
+    return spec
+
+
+def _resume_state(config: TrainConfig, ctx: DistContext, log: RankLog) -> dict | None:
+    """Collective: rank 0 picks the checkpoint, every rank loads it onto its own device."""
+    env = ctx.env
+    path, error = None, None
+    if env.is_main:
+        try:
+            path = _choose_checkpoint(config, log)
+        except LaunchError as exc:
+            error = exc
+    raise_if_any_rank_failed(error)
+    chosen = [path]
+    if env.is_distributed:
+        dist.broadcast_object_list(chosen, src=0)
+    if chosen[0] is None:
+        return None
+    state, error = None, None
+    try:
+        state = checkpoint.load(chosen[0], map_location=ctx.device)
+        _check_compatible(state, config, env, chosen[0])
+    except LaunchError as exc:
+        error = exc
+    raise_if_any_rank_failed(error)
+    log.info(f"resuming from {chosen[0]} (step {state['step']}, epoch {state['epoch']}, "
+             f"batch {state['batch']})")
+    return state
+
+
+def _choose_checkpoint(config: TrainConfig, log: RankLog):
+    directory = config.checkpoint_dir
+    for stale in directory.glob(".ckpt-*.tmp") if directory.is_dir() else ():
+        log.warn(f"removing {stale}, left by a writer that was killed mid-write")
+        stale.unlink(missing_ok=True)
+    if config.resume == "none":
+        existing = checkpoint.list_checkpoints(directory)
+        if existing:
+            raise LaunchError(f"--resume none, but {directory} holds checkpoints of an earlier "
+                              f"run ({existing[-1].name})",
+                              hint="use a new --run-dir, delete the old checkpoints, or resume "
+                              "with --resume auto")
+        return None
+    if config.resume == "auto":
+        path = checkpoint.newest_valid(directory, log.warn)
+        if path is None:
+            log.info(f"no checkpoint in {directory}: starting from scratch")
+        return path
+    path = Path(config.resume)
+    checkpoint.load(path)  # a LaunchError names the problem (missing, truncated, damaged)
+    return path
+
+
+def _check_compatible(state: dict, config: TrainConfig, env: JobEnv, path) -> None:
+    if state.get("format") != 1:
+        raise LaunchError(f"{path} has an unknown checkpoint format {state.get('format')!r}",
+                          hint="resume with the launcher version that wrote it")
+    if state["world_size"] != env.world_size:
+        raise LaunchError(
+            f"{path} was written by {state['world_size']} ranks, this run has {env.world_size}",
+            hint=f"resume with {state['world_size']} ranks: data order and per-rank random "
+            "streams depend on the world size, so bit-exact resume needs the same number")
+    saved = state["config"]
+    differ = [f"--{k.replace('_', '-')} {saved[k]} (now {getattr(config, k)})"
+              for k in RESUME_MUST_MATCH if saved.get(k) != getattr(config, k)]
+    if differ:
+        raise LaunchError(f"{path} belongs to a run with other settings: {', '.join(differ)}",
+                          hint="resume with the same flags, or start anew with another --run-dir")
+
+
+def _timed_allreduce(seconds: list[float], bucket):
+    """DDP's own all-reduce hook, timed from launch until the result is ready."""
+    # takes a dist.GradBucket, returns a Future[Tensor]; unannotated because DDP checks the
+    # annotation objects themselves, and postponed annotations would turn them into strings
+    start = time.perf_counter()
+
+    def done(future: torch.futures.Future) -> torch.Tensor:
+        seconds[0] += time.perf_counter() - start
+        return future.value()
+
+    return default_hooks.allreduce_hook(None, bucket).then(done)
+
+
+def _allreduce_gradients(module: nn.Module) -> None:
+    """Synchronous SGD by hand: one all-reduce of all gradients, then divide by world size."""
+    grads = [p.grad for p in module.parameters() if p.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    flat.div_(dist.get_world_size())
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def _use_cores_fairly(env: JobEnv, device: torch.device) -> None:
+    # ranks sharing a node would otherwise each start one thread per core and oversubscribe it
+    if device.type == "cpu":
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        torch.set_num_threads(max(1, math.floor((cores or 1) / env.local_world_size)))
+
+
+if __name__ == "__main__":
+    main()
