@@ -96,22 +96,25 @@ def visible_device_count(visible_devices: str | None) -> int | None:
     return count
 
 
-def check_local_device(env: JobEnv, device_count: int | None = None) -> None:
-    """Refuse a local rank with no GPU of its own, for runs that put one rank on each GPU.
+def local_device_index(env: JobEnv, device_count: int | None = None) -> int:
+    """The index of this rank's GPU among the ``device_count`` visible ones (one GPU per rank).
 
-    ``device_count`` defaults to the entries of CUDA_VISIBLE_DEVICES. One visible device is
-    accepted for any local rank: per-task binding (``srun --gpus-per-task=1``) shows each task
-    its own GPU as device 0. Called by the code that picks the device, not by
-    ``detect_environment``: a CPU run may ignore CUDA_VISIBLE_DEVICES.
+    ``device_count`` is what the caller sees (``torch.cuda.device_count()``); by default the
+    entries of CUDA_VISIBLE_DEVICES, and when that is unset too, the local rank is trusted.
+    One visible device serves every local rank: per-task binding (``srun --gpus-per-task=1``)
+    shows each task its own GPU as device 0. A local rank beyond several visible devices has
+    no GPU of its own: LaunchError.
     """
     if device_count is None:
         device_count = visible_device_count(env.visible_devices)
-    if device_count is None or device_count <= 1 or env.local_rank < device_count:
-        return
+    if device_count is None or env.local_rank < device_count:
+        return env.local_rank
+    if device_count == 1:
+        return 0
     raise LaunchError(
-        f"{env.launcher}: local rank {env.local_rank} has no GPU: CUDA_VISIBLE_DEVICES="
-        f"{env.visible_devices!r} shows {device_count} devices for {env.local_world_size} "
-        "ranks on this node",
+        f"{env.launcher}: local rank {env.local_rank} has no GPU: {device_count} devices visible "
+        f"(CUDA_VISIBLE_DEVICES={env.visible_devices!r}) for {env.local_world_size} ranks on "
+        f"{env.hostname}",
         hint=f"start at most {device_count} ranks per node (e.g. mpiexec -ppn {device_count}, "
         f"srun --ntasks-per-node={device_count}, torchrun --nproc-per-node={device_count}), "
         "or make more GPUs visible",

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from launcher.detectors import SLURM_PORT_BASE, SLURM_PORT_SPAN, slurm_port
-from launcher.env import JobEnv, check_local_device, detect_environment, visible_device_count
+from launcher.env import JobEnv, detect_environment, local_device_index, visible_device_count
 from launcher.errors import LaunchError
 
 # recorded: `srun -n 2 --mpi=pmi2`, task 1 (job 1, step 0)
@@ -275,15 +275,16 @@ def test_visible_device_count(visible, count):
 def test_local_rank_beyond_visible_gpus():
     env = detect({**HYDRA, "CUDA_VISIBLE_DEVICES": "0,1"})  # local rank 2 of 3, two GPUs
     with pytest.raises(LaunchError) as info:
-        check_local_device(env)
+        local_device_index(env)
     assert "local rank 2" in info.value.message and "'0,1'" in info.value.message
     assert "-ppn 2" in info.value.hint
-    check_local_device(env, device_count=3)  # the count is a parameter: enough GPUs, no error
+    assert local_device_index(env, device_count=3) == 2  # the count is a parameter
     with pytest.raises(LaunchError):
-        check_local_device(detect(HYDRA), device_count=2)
+        local_device_index(detect(HYDRA), device_count=2)
 
 
-def test_one_visible_gpu_per_task_is_fine():
+def test_device_index():
     # srun --gpus-per-task=1 shows each task its own GPU as device 0
-    check_local_device(detect({**HYDRA, "CUDA_VISIBLE_DEVICES": "3"}))
-    check_local_device(detect(HYDRA))  # unset: nothing to check
+    assert local_device_index(detect({**HYDRA, "CUDA_VISIBLE_DEVICES": "3"})) == 0
+    assert local_device_index(detect(HYDRA)) == 2  # nothing known: trust the local rank
+    assert local_device_index(detect(HYDRA), device_count=4) == 2
