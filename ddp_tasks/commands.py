@@ -31,7 +31,7 @@ APPTAINER_ENV_PREFIX = "APPTAINERENV_"
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 #: srun: seconds the other ranks get to end on their own after the first one ended, then they
 #: are killed. Not --kill-on-bad-exit=1: preempted ranks all exit 75 together, and killing the
-#: slower ones turns srun's status (the highest of all tasks, 128+N for a signal) into 137, so
+#: slower ones turns srun's status (the highest of all tasks, 128+N for a signal) into 143, so
 #: the job would fail instead of being requeued. A crashed rank still ends the step, this much
 #: later.
 STEP_EXIT_WAIT = 60

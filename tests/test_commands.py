@@ -166,6 +166,28 @@ def test_run_starts_the_ranks_and_returns_their_status(tmp_path):
     assert result.returncode == EXIT_PREEMPTED, result.stderr
 
 
+STAGGERED = """\
+import os, sys, time
+rank = int(os.environ["SLURM_PROCID"])
+time.sleep(0.5 * rank)  # rank 0 ends first, the others a little later, as after a preemption
+sys.exit(int(sys.argv[1]) if rank == 0 else 75)
+"""
+
+
+@pytest.mark.slurm
+@pytest.mark.parametrize(("rank0_exit", "status"), [(EXIT_PREEMPTED, EXIT_PREEMPTED), (1, 75)])
+def test_srun_status_survives_staggered_exits(slurm_cluster, tmp_path, rank0_exit, status):
+    """For real: srun returns 75, not 143 (SIGTERM), when the ranks exit one after another.
+
+    With --kill-on-bad-exit=1 the first non-zero exit would have the others killed.
+    """
+    (tmp_path / "staggered.py").write_text(STAGGERED)
+    result = invoke("run", "--launcher", "srun", "--runtime", "none", "--procs-per-node", "3",
+                    "--module", "staggered", "--args", str(rank0_exit), cwd=tmp_path,
+                    PATH=_on_path(INVOKE.parent), SLURM_CONF=str(slurm_cluster.conf))
+    assert result.returncode == status, result.stdout + result.stderr
+
+
 # -- the generated script as shell ------------------------------------------------------------
 
 
