@@ -1,4 +1,7 @@
-"""``python -m launcher.env`` for real: plain python, mpiexec, torchrun, srun and sbatch."""
+"""``python -m launcher.env`` for real: plain python, mpiexec, torchrun, mpiexec inside sbatch.
+
+srun steps and the batch script itself are covered by tests/test_slurm.py.
+"""
 
 from __future__ import annotations
 
@@ -103,22 +106,6 @@ def test_under_torchrun():
         assert (record["world_size"], record["local_rank"], record["local_world_size"]) == (
             2, rank, 2)
         assert record["job_id"]  # TORCHELASTIC_RUN_ID
-
-
-@pytest.mark.slurm
-def test_under_srun(slurm_cluster):
-    result = slurm_cluster.srun(["-n", "3", sys.executable, *ENV_JSON], cwd=REPO_ROOT)
-    assert result.returncode == 0, result.stdout + result.stderr
-    ranks = by_rank(json_objects(result.stdout), 3)
-    job_ids = {record["job_id"] for record in ranks.values()}
-    assert len(job_ids) == 1
-    for rank, record in ranks.items():
-        assert record["launcher"] == "slurm"
-        assert (record["world_size"], record["local_rank"], record["local_world_size"]) == (
-            3, rank, 3)
-        assert record["hosts"] == [slurm_cluster.node]
-        assert record["master_addr"] == slurm_cluster.node
-        assert 15000 <= record["master_port"] < 35000
 
 
 @pytest.mark.slurm
