@@ -13,13 +13,15 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 from invoke import task
+from invoke.exceptions import Exit
 
 from ddp_tasks import image_commands as ic
 from launcher import __version__
-from launcher.errors import LaunchError
+from launcher.errors import EXIT_USER_ERROR, LaunchError
 
 DOCKER_TIMEOUT = 3600  # seconds; a cold build downloads a few hundred MB of wheels
 
@@ -38,6 +40,15 @@ def docker_client(timeout: int = DOCKER_TIMEOUT):
                  "`systemctl start docker`) or set DOCKER_HOST",
         ) from error
     return client
+
+
+@contextmanager
+def user_errors():
+    """Turn a LaunchError into invoke's clean exit: the message and HINT, no traceback."""
+    try:
+        yield
+    except LaunchError as error:
+        raise Exit(str(error), code=EXIT_USER_ERROR) from error
 
 
 def image_exists(client, tag: str) -> bool:
@@ -94,7 +105,8 @@ def make_base(tag: str = ic.DEFAULT_BASE_TAG, suite: str = "bookworm",
 })
 def base(c, tag=ic.DEFAULT_BASE_TAG, suite="bookworm", mirror=ic.DEBIAN_MIRROR):
     """Make a Debian base image from the Debian mirror (for sites with no registry access)."""
-    make_base(tag, suite, mirror)
+    with user_errors():
+        make_base(tag, suite, mirror)
 
 
 
@@ -188,9 +200,10 @@ def build(c, flavor="cpu", name=ic.DEFAULT_NAME, base_image="",
           wheelhouse=ic.DEFAULT_WHEELHOUSE, ca_bundle="", keep_ca=False, build_args="",
           target="runtime", nocache=False):
     """Build the image for one flavor from docker/Dockerfile (progress is streamed)."""
-    build_image(flavor=flavor, name=name, base_image=base_image, wheelhouse=wheelhouse,
-                ca_bundle=ca_bundle or os.environ.get("PIP_CERT", ""), keep_ca=keep_ca,
-                build_args=build_args, target=target, nocache=nocache)
+    with user_errors():
+        build_image(flavor=flavor, name=name, base_image=base_image, wheelhouse=wheelhouse,
+                    ca_bundle=ca_bundle or os.environ.get("PIP_CERT", ""), keep_ca=keep_ca,
+                    build_args=build_args, target=target, nocache=nocache)
 
 
 # ---------------------------------------------------------------------------------------- push
@@ -232,7 +245,9 @@ def push_image(*, registry: str, flavor: str = "cpu", name: str = ic.DEFAULT_NAM
 })
 def push(c, registry="", flavor="cpu", name=ic.DEFAULT_NAME):
     """Push NAME:FLAVOR to a registry and print its digest (credentials: ~/.docker/config.json)."""
-    push_image(registry=registry or os.environ.get("DDP_REGISTRY", ""), flavor=flavor, name=name)
+    with user_errors():
+        push_image(registry=registry or os.environ.get("DDP_REGISTRY", ""), flavor=flavor,
+                   name=name)
 
 
 # ----------------------------------------------------------------------------------------- sif
@@ -248,7 +263,7 @@ def sif_plan(*, output: str, source: str, image: str, executable: str = "apptain
 
 
 @task(help={
-    "output": "SIF file to write (default ddp-FLAVOR.sif)",
+    "output": "SIF file to write (default ddp.sif, what `invoke run --runtime apptainer` runs)",
     "flavor": "flavor of the image to convert (default cpu)",
     "name": f"image name (default {ic.DEFAULT_NAME})",
     "source": "where apptainer reads the image: docker-daemon (local engine, default), "
@@ -258,20 +273,21 @@ def sif_plan(*, output: str, source: str, image: str, executable: str = "apptain
     "fakeroot": "build with --fakeroot (unprivileged users)",
     "dry_run": "print the definition file path and the command, run nothing",
 })
-def sif(c, output="", flavor="cpu", name=ic.DEFAULT_NAME, source="docker-daemon", image="",
+def sif(c, output="ddp.sif", flavor="cpu", name=ic.DEFAULT_NAME, source="docker-daemon", image="",
         fakeroot=False, dry_run=False):
     """Build an Apptainer SIF from the Docker image with apptainer/ddp.def."""
     executable = shutil.which("apptainer") or shutil.which("singularity") or "apptainer"
-    path, text, command = sif_plan(output=output or f"{name}-{flavor}.sif", source=source,
-                                   image=image or ic.image_tag(name, flavor),
-                                   executable=Path(executable).name, fakeroot=fakeroot)
-    print(shlex.join(command), flush=True)
-    if dry_run:
-        return
-    if not shutil.which(command[0]):
-        raise LaunchError("apptainer is not installed",
-                          hint="install Apptainer (https://apptainer.org/docs/admin/main/"
-                               "installation.html) or use --dry-run to see the command")
+    with user_errors():
+        path, text, command = sif_plan(output=output, source=source,
+                                       image=image or ic.image_tag(name, flavor),
+                                       executable=Path(executable).name, fakeroot=fakeroot)
+        print(shlex.join(command), flush=True)
+        if dry_run:
+            return
+        if not shutil.which(command[0]):
+            raise LaunchError("apptainer is not installed",
+                              hint="install Apptainer (https://apptainer.org/docs/admin/main/"
+                                   "installation.html) or use --dry-run to see the command")
     if path != ic.APPTAINER_DEF:
         path.parent.mkdir(exist_ok=True)
         path.write_text(text)

@@ -42,7 +42,7 @@ FLAVOR_ARGS = {
     },
 }
 
-_ARG_RE = re.compile(r"^ARG\s+([A-Za-z_][A-Za-z0-9_]*)(?:=(\S*))?\s*$")
+_ARG_RE = re.compile(r'^ARG\s+([A-Za-z_][A-Za-z0-9_]*)(?:=("[^"]*"|\S*))?\s*$')
 # files whose content decides the image: a change here means the image must be rebuilt
 _SOURCE_GLOBS = ("docker/Dockerfile", ".dockerignore", "pyproject.toml", "launcher/**/*.py",
                  f"{BUILD_INPUTS}/**/*")

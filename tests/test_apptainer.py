@@ -77,7 +77,7 @@ def test_sif_dry_run_prints_the_exact_command():
     result = subprocess.run([*INVOKE, "sif", "--dry-run"], cwd=ic.ROOT, capture_output=True,
                             text=True, timeout=60)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.splitlines()[-1] == f"apptainer build ddp-cpu.sif {ic.APPTAINER_DEF}"
+    assert result.stdout.splitlines()[-1] == f"apptainer build ddp.sif {ic.APPTAINER_DEF}"
 
 
 def test_sif_dry_run_for_a_registry_image_with_fakeroot():

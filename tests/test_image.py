@@ -1,0 +1,185 @@
+"""The cpu image: built once by the cpu_image fixture, then run for real with docker.
+
+The pure builders behind `invoke base/build` are checked first (no engine needed).
+"""
+
+from __future__ import annotations
+
+import inspect
+import subprocess
+
+import pytest
+
+from ddp_tasks import image as image_tasks
+from ddp_tasks import image_commands as ic
+from launcher import __version__
+from launcher.errors import LaunchError
+
+# ------------------------------------------------------------------------------ pure builders
+
+
+def test_every_version_is_pinned_at_the_top_of_the_dockerfile():
+    pins = ic.pins()
+    for name in ("BASE_IMAGE", "FLAVOR", "PYTHON_VERSION", "MPICH_VERSION", "MPI4PY_VERSION",
+                 "TORCH_VERSION", "NUMPY_VERSION", "SCIPY_VERSION", "SCIKIT_LEARN_VERSION",
+                 "INVOKE_VERSION"):
+        assert pins.get(name), f"ARG {name} has no default"
+    assert pins["TORCH_VERSION"] == "2.13.0"
+    # the ARGs come before the first FROM: one place to read and change them
+    text = ic.DOCKERFILE.read_text()
+    header = text[:text.index("\nFROM ")]
+    assert all(f"ARG {name}=" in header for name in pins if name != "SOURCE_DIGEST")
+
+
+def test_dockerfile_args_reads_defaults_and_bare_args():
+    text = 'ARG A=1\nARG B="x y"\nARG C\nFROM x\nARG A=2\n'
+    assert ic.dockerfile_args(text) == {"A": "1", "B": "x y", "C": ""}
+
+
+def test_hadolint_is_clean():
+    hadolint = ic.ROOT / ".venv" / "bin" / "hadolint"
+    command = [str(hadolint) if hadolint.exists() else "hadolint", str(ic.DOCKERFILE)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_build_args_for_cpu_keep_the_dockerfile_defaults():
+    args = ic.build_args(flavor="cpu", identity="ddp:0.1.0+cpu", torch_index_url="",
+                         source_digest="abc", base_image="ddp-base:bookworm")
+    assert args == {"FLAVOR": "cpu", "BASE_IMAGE": "ddp-base:bookworm",
+                    "DDP_IMAGE": "ddp:0.1.0+cpu", "TORCH_INDEX_URL": "",
+                    "SOURCE_DIGEST": "abc", "KEEP_EXTRA_CA": "0"}
+
+
+def test_build_args_for_cuda_switch_base_python_and_index():
+    args = ic.build_args(flavor="cuda", identity="ddp:0.1.0+cuda",
+                         torch_index_url=ic.torch_index_for("cuda", False), source_digest="x",
+                         extra={"CUDA_VERSION": "12.9"})
+    assert args["BASE_IMAGE"].startswith("nvidia/cuda:")
+    assert args["PYTHON_VERSION"] == "3.12"
+    assert args["TORCH_INDEX_URL"] == "https://download.pytorch.org/whl/cu128"
+    assert args["CUDA_VERSION"] == "12.9"  # extra overrides the flavor's default
+
+
+def test_a_wheelhouse_with_torch_replaces_the_torch_index():
+    assert ic.torch_index_for("cpu", True) == ""
+    assert ic.torch_index_for("cpu", False) == "https://download.pytorch.org/whl/cpu"
+
+
+def test_bad_flavor_and_bad_build_args_say_how_to_fix_them():
+    with pytest.raises(LaunchError) as error:
+        ic.image_tag("ddp", "rocm")
+    assert "cpu, cuda" in error.value.hint
+    with pytest.raises(LaunchError) as error:
+        ic.parse_build_args("TORCH_VERSION")
+    assert "NAME=VALUE" in error.value.hint
+    assert ic.parse_build_args("A=1, B=x=y,") == {"A": "1", "B": "x=y"}
+
+
+def test_base_commands():
+    assert ic.debootstrap_command("/tmp/r") == [
+        "debootstrap", "--variant=minbase", "bookworm", "/tmp/r", "http://deb.debian.org/debian"]
+    assert ic.apt_sources().splitlines() == [
+        "deb http://deb.debian.org/debian bookworm main",
+        "deb http://deb.debian.org/debian bookworm-updates main",
+        "deb http://deb.debian.org/debian-security bookworm-security main"]
+
+
+def test_push_reference():
+    assert ic.push_reference("127.0.0.1:5000/", "ddp", "cpu") == ("127.0.0.1:5000/ddp", "cpu")
+    assert ic.push_reference("ghcr.io/org", "ddp", "cuda") == ("ghcr.io/org/ddp", "cuda")
+
+
+def test_stage_build_inputs_is_stateless(tmp_path):
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    (wheels / "torch-2.13.0+cpu-cp311-cp311-linux_x86_64.whl").write_bytes(b"w")
+    (wheels / "notes.txt").write_text("not a wheel")
+    bundle = tmp_path / "ca.crt"
+    bundle.write_text("CERT")
+    inputs = image_tasks.stage_build_inputs(str(wheels), str(bundle), root=tmp_path)
+    assert sorted(p.name for p in (inputs / "wheelhouse").iterdir()) == [
+        "torch-2.13.0+cpu-cp311-cp311-linux_x86_64.whl"]
+    assert (inputs / ic.CA_BUNDLE_NAME).read_text() == "CERT"
+    inputs = image_tasks.stage_build_inputs("", "", root=tmp_path)
+    assert not (inputs / ic.CA_BUNDLE_NAME).exists()
+    assert list((inputs / "wheelhouse").iterdir()) == []
+
+
+def test_stage_build_inputs_names_missing_inputs(tmp_path):
+    with pytest.raises(LaunchError, match="is not a directory"):
+        image_tasks.stage_build_inputs(str(tmp_path / "nope"), "", root=tmp_path)
+    with pytest.raises(LaunchError, match="does not exist") as error:
+        image_tasks.stage_build_inputs("", str(tmp_path / "nope.crt"), root=tmp_path)
+    assert "ca-certificates.crt" in error.value.hint
+
+
+@pytest.mark.parametrize("task", image_tasks.TASKS, ids=lambda t: t.name)
+def test_every_task_parameter_is_documented(task):
+    parameters = list(inspect.signature(task.body).parameters)[1:]  # after the context
+    assert sorted(task.help) == sorted(parameters)
+
+
+# ------------------------------------------------------------------------------- real image
+
+IDENTITY = f"ddp:{__version__}+cpu"
+
+
+@pytest.mark.docker
+def test_check_passes_on_one_rank(cpu_image, run_in_image):
+    status, output = run_in_image(cpu_image, ["python", "-m", "launcher.check"])
+    assert status == 0, output
+    assert IDENTITY in output
+
+
+@pytest.mark.docker
+def test_check_passes_on_two_ranks_with_the_image_mpiexec(cpu_image, run_in_image):
+    status, output = run_in_image(cpu_image, ["mpiexec", "-n", "2", "python", "-m",
+                                              "launcher.check"])
+    assert status == 0, output
+    assert IDENTITY in output
+
+
+@pytest.mark.docker
+def test_mpi4py_is_built_against_the_image_mpich(cpu_image, run_in_image):
+    script = ("import mpi4py, mpi4py.MPI as M; print(M.Get_library_version().splitlines()[0]);"
+              " print(mpi4py.get_config()['mpicc'])")
+    status, output = run_in_image(cpu_image, ["python", "-c", script])
+    assert status == 0, output
+    assert f"MPICH Version:      {ic.pins()['MPICH_VERSION']}" in output
+    assert "/opt/ddp/venv/bin/mpicc" in output
+    # RUNPATH, not RPATH: LD_LIBRARY_PATH must win (the hybrid model swaps libmpi.so.12)
+    status, output = run_in_image(cpu_image, ["bash", "-c",
+                                  "ldd /opt/ddp/venv/lib/python3*/site-packages/mpi4py/MPI.*.so"])
+    assert status == 0, output
+    assert "libmpi.so.12 => /opt/ddp/venv/lib/libmpi.so.12" in output
+
+
+@pytest.mark.docker
+def test_runtime_is_lean_non_root_and_keeps_no_build_input(cpu_image, run_in_image):
+    script = ("id -u; for tool in gcc cc make; do command -v $tool && echo HAS-$tool; done; "
+              "ls /tmp/build-inputs /etc/pip.conf 2>&1; ls -A /usr/local/share/ca-certificates/ddp;"
+              " ls /etc/ssh/ssh_host_* 2>&1; command -v sshd ssh ps ip")
+    status, output = run_in_image(cpu_image, ["bash", "-c", script])
+    assert output.splitlines()[0] == "1000"
+    assert "HAS-" not in output
+    assert "/tmp/build-inputs: No such file" in output
+    assert "/etc/pip.conf: No such file" in output
+    assert "ssh_host_*: No such file" in output
+    for tool in ("/usr/sbin/sshd", "/usr/bin/ssh", "/usr/bin/ps", "/usr/bin/ip"):
+        assert tool in output
+
+
+@pytest.mark.docker
+def test_labels_and_identity(cpu_image, dockerd):
+    image = dockerd.images.get(cpu_image)
+    pins = ic.pins()
+    labels = image.labels
+    assert labels["io.ddp.torch"] == pins["TORCH_VERSION"]
+    assert labels["io.ddp.mpi4py"] == pins["MPI4PY_VERSION"]
+    assert labels["io.ddp.mpi"].startswith(f"mpich {pins['MPICH_VERSION']} ")
+    assert labels["io.ddp.flavor"] == "cpu"
+    assert labels["org.opencontainers.image.version"] == IDENTITY
+    assert labels["io.ddp.source-digest"] == ic.source_digest()
+    assert f"DDP_IMAGE={IDENTITY}" in image.attrs["Config"]["Env"]
+    assert image.attrs["Config"]["User"] == "1000:1000"

@@ -1,0 +1,56 @@
+"""The hybrid model's premise, run for real inside the cpu image: the image's mpi4py, compiled
+against its MPICH, runs 2 ranks on the Intel MPI runtime when Intel's libmpi.so.12 comes first
+on LD_LIBRARY_PATH and Intel's mpiexec starts the ranks (as a site's Intel MPI bound in by
+Apptainer would). Intel MPI comes from PyPI (`impi-rt`), installed on the host in a prefix of
+its own and bind-mounted, like a host MPI.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.docker
+
+IMPI_VERSION = "2021.18.1"
+HELLO = (
+    "from mpi4py import MPI; c = MPI.COMM_WORLD; s = c.allreduce(c.Get_rank() + 1); "
+    "print(f'rank {c.Get_rank()}/{c.Get_size()} sum {s} |', "
+    "MPI.Get_library_version().splitlines()[0], flush=True)"
+)
+# one node: shared memory only, and ranks forked locally instead of over ssh
+IMPI_ENV = {"I_MPI_FABRICS": "shm", "I_MPI_HYDRA_BOOTSTRAP": "fork"}
+
+
+@pytest.fixture(scope="session")
+def impi_prefix() -> Path:
+    """Intel MPI's runtime from PyPI in its own prefix (bin/, lib/), kept between sessions."""
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    prefix = cache / "ddp-tests" / f"impi-rt-{IMPI_VERSION}"
+    if not (prefix / "lib" / "libmpi.so.12").exists():
+        # a prefix, not --target: the wheel's bin/ and lib/ are data files outside site-packages
+        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--prefix",
+                        str(prefix), f"impi-rt=={IMPI_VERSION}"], check=True, timeout=900)
+    return prefix
+
+
+def test_image_mpi4py_runs_two_ranks_on_intel_mpi(cpu_image, impi_prefix, run_in_image):
+    volumes = {str(impi_prefix): {"bind": "/opt/impi", "mode": "ro"}}
+    status, output = run_in_image(
+        cpu_image, ["/opt/impi/bin/mpiexec.hydra", "-n", "2", "python", "-c", HELLO],
+        environment={**IMPI_ENV, "LD_LIBRARY_PATH": "/opt/impi/lib"}, volumes=volumes)
+    assert status == 0, output
+    lines = sorted(line for line in output.splitlines() if line.startswith("rank "))
+    assert lines == [f"rank {r}/2 sum 3 | Intel(R) MPI Library {IMPI_VERSION} for Linux* OS"
+                     for r in (0, 1)], output
+
+
+def test_without_the_substitution_the_image_runs_its_own_mpich(cpu_image, run_in_image):
+    status, output = run_in_image(cpu_image, ["mpiexec", "-n", "2", "python", "-c", HELLO])
+    assert status == 0, output
+    lines = [line for line in output.splitlines() if line.startswith("rank ")]
+    assert len(lines) == 2 and all("MPICH Version:" in line for line in lines), output
