@@ -27,6 +27,7 @@ ones (from the host names of all ranks) at start-up.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
@@ -34,6 +35,8 @@ from launcher.errors import LaunchError
 from launcher.hostlist import expand_hostlist, expand_tasks_per_node
 
 Environ = Mapping[str, str]
+
+_INTEGER = re.compile(r"[+-]?[0-9]+")
 
 #: Slurm job ids at or above this are special steps (batch, extern, interactive), not tasks
 _SLURM_SPECIAL_STEP = 0xFFFFFFF0
@@ -61,10 +64,8 @@ class Placement:
 def read_int(environ: Environ, name: str, launcher: str, minimum: int = 0) -> int:
     """``environ[name]`` as an integer >= ``minimum``, or a LaunchError naming both."""
     value = environ[name]
-    try:
-        number = int(value.strip())
-    except ValueError:
-        number = None
+    # not int(): it also takes "1_000" and other forms no launcher writes
+    number = int(value) if _INTEGER.fullmatch(value.strip()) else None
     if number is None or number < minimum:
         kind = "a positive integer" if minimum > 0 else "a non-negative integer"
         raise LaunchError(

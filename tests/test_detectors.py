@@ -213,6 +213,8 @@ BAD = [
     pytest.param({**SRUN_PMI2, "SLURM_PROCID": "one"}, ["SLURM_PROCID", "'one'", "Slurm"],
                  id="non-integer"),
     pytest.param({**SRUN_PMI2, "SLURM_PROCID": "1.0"}, ["SLURM_PROCID"], id="float"),
+    pytest.param({**SRUN_PMI2, "SLURM_PROCID": "1_0"}, ["SLURM_PROCID"], id="underscore"),
+    pytest.param({**SRUN_PMI2, "SLURM_LOCALID": ""}, ["SLURM_LOCALID", "''"], id="empty"),
     pytest.param({**HYDRA, "MPI_LOCALNRANKS": "4", "PMI_SIZE": "2", "PMI_RANK": "1"},
                  ["local world size 4", "world size 2"], id="local-size-above-size"),
     pytest.param({"PMI_RANK": "0", "PMI_SIZE": "2"}, ["MPI_LOCALRANKID", "PMI_RANK"],
