@@ -148,6 +148,9 @@ def validate(launch: Launch) -> None:
             f"--hosts names {len(launch.hosts)} host(s) but --nodes is {launch.nodes}",
             hint=f"name one host per node, or pass --nodes {len(launch.hosts)}",
         )
+    if launch.binds and launch.runtime != "apptainer":
+        raise LaunchError(f"--bind needs --runtime apptainer, not {launch.runtime}",
+                          hint="drop --bind, or pass --runtime apptainer")
     if launch.launcher == "srun":
         _validate_srun(launch)
     elif launch.runtime == "docker":

@@ -67,6 +67,7 @@ def _user_errors():
 
 
 def _signal(flag: str) -> str:
+    """The flag, else the caller's DDP_PREEMPT_SIGNAL: a site that set it keeps it by default."""
     return flag or os.environ.get("DDP_PREEMPT_SIGNAL", "USR1")
 
 

@@ -280,6 +280,7 @@ def test_with_resume_only_for_launcher_train():
         (Launch(nodes=3, hosts=("a", "b")), "--hosts names 2 host(s) but --nodes is 3"),
         (Launch(hosts=("a",), hostfile="hosts.txt"), "both --hosts and --hostfile given"),
         (Launch(nodes=2), "mpirun on 2 nodes needs to know which nodes"),
+        (Launch(runtime="none", binds=("/data",)), "--bind needs --runtime apptainer"),
         (Launch(launcher="srun", runtime="docker"), "--runtime docker cannot be started by srun"),
         (Launch(launcher="srun", hostfile="h"), "srun takes no --hostfile"),
         (Launch(launcher="srun", env=(("X", "a,b"),)), "--export splits its list at commas"),
