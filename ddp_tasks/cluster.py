@@ -74,6 +74,8 @@ def _node_service(host: str, all_hosts: list[str], image: str, scripts: str) -> 
         "image": image,
         "hostname": host,
         "container_name": PREFIX_REF + host,
+        # sshd needs root; the image's default user would not do
+        "user": "root",
         # sshd would not reap the orphans of dropped sessions: docker's init does
         "init": True,
         "entrypoint": [f"{CLUSTER_SCRIPTS}/node.sh"],
@@ -106,6 +108,7 @@ def mpi_compose(nodes: int = DEFAULT_NODES, image: str = IMAGE_REF,
     services = {
         "keygen": {
             "image": image,
+            "user": "root",
             "entrypoint": [f"{CLUSTER_SCRIPTS}/keygen.sh"],
             "command": ["ssh"],
             "volumes": ["keys:/keys", f"{scripts}:{CLUSTER_SCRIPTS}:ro"],
