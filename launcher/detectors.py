@@ -2,7 +2,7 @@
 
 ``DETECTORS`` is tried in this order; the first whose ``detect(environ)`` is true wins:
 
-1. ``torchrun``  -- TORCHELASTIC_RUN_ID, or RANK + WORLD_SIZE (torchrun's set, or env:// by hand).
+1. ``torchrun``  -- TORCHELASTIC_RUN_ID or RANK (torchrun's set, or env:// by hand).
    First because torchrun is often started by srun or mpirun, one agent per node: the outer
    launcher's variables then describe the agent, not the worker.
 2. ``openmpi``   -- OMPI_COMM_WORLD_RANK (mpirun from Open MPI).
@@ -38,7 +38,7 @@ Environ = Mapping[str, str]
 
 _INTEGER = re.compile(r"[+-]?[0-9]+")
 
-#: Slurm job ids at or above this are special steps (batch, extern, interactive), not tasks
+#: Slurm step ids at or above this are special steps (batch, extern, interactive), not tasks
 _SLURM_SPECIAL_STEP = 0xFFFFFFF0
 
 # Slurm exports these step ids as numbers or names depending on the version
