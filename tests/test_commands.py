@@ -138,6 +138,12 @@ def test_sbatch_golden():
     golden("sbatch.sh", sbatch_text())
 
 
+@pytest.mark.parametrize("name", [*(f"{name}.txt" for name in RUN_CASES), "sbatch.sh"])
+def test_docs_show_the_golden_outputs(name):
+    """docs/launching.md quotes every golden file: a changed command needs changed docs."""
+    assert (GOLDEN / name).read_text().strip() in (ROOT / "docs" / "launching.md").read_text()
+
+
 def test_sbatch_cli_writes_the_script(tmp_path):
     result = invoke("sbatch", *SBATCH_FLAGS, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
