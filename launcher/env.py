@@ -64,7 +64,8 @@ def parse_signal(value: str, variable: str = "DDP_PREEMPT_SIGNAL") -> str:
         raise LaunchError(
             f"{variable}={value!r} is not a signal this process can catch",
             hint=f"set {variable} to a signal name such as USR1, USR2 or TERM, the one your "
-            "scheduler sends before preemption (sbatch --signal=B:USR1@120)",
+            "scheduler sends before preemption (sbatch --signal=USR1@120; without 'B:' it "
+            "reaches every rank, not only the batch shell)",
         )
     return name
 

@@ -20,7 +20,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from launcher.env import JobEnv
+from launcher.env import JobEnv, local_device_index
 from launcher.errors import LaunchError
 
 BACKEND_CHOICES = ("auto", "nccl", "gloo", "mpi")
@@ -59,19 +59,13 @@ def select_backend(requested: str, cuda_available: bool, native_mpi: bool) -> st
     return requested
 
 
-def bind_device(env: JobEnv, cuda_available: bool, gpu_count: int) -> torch.device:
+def bind_device(env: JobEnv, cuda_available: bool) -> torch.device:
     """One GPU per local rank; CPU when there is no GPU."""
     if not cuda_available:
         return torch.device("cpu")
-    if env.local_rank >= gpu_count:
-        raise LaunchError(
-            f"local rank {env.local_rank} has no GPU: only {gpu_count} visible on {env.hostname} "
-            f"(CUDA_VISIBLE_DEVICES={env.visible_devices!r}, launcher {env.launcher})",
-            hint="start at most one process per GPU on each node (e.g. --ntasks-per-node / -ppn "
-            "equal to the GPU count)",
-        )
-    torch.cuda.set_device(env.local_rank)
-    return torch.device("cuda", env.local_rank)
+    index = local_device_index(env, torch.cuda.device_count())
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
 
 
 @contextmanager
@@ -81,7 +75,7 @@ def process_group(
     """Initialise torch.distributed for ``env``; destroy it on exit whatever happens."""
     cuda_available = torch.cuda.is_available()
     name = select_backend(backend, cuda_available, dist.is_mpi_available())
-    device = bind_device(env, cuda_available, torch.cuda.device_count() if cuda_available else 0)
+    device = bind_device(env, cuda_available)
     env = _init(env, name, timedelta(seconds=timeout_s))
     try:
         yield DistContext(env=env, backend=name, device=device)
