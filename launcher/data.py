@@ -13,6 +13,7 @@ from __future__ import annotations
 import gzip
 import importlib.util
 import os
+import pickle
 import struct
 import tempfile
 from dataclasses import dataclass
@@ -224,7 +225,7 @@ def _read_cache(name: str, path: Path) -> Dataset:
     try:
         tensors = torch.load(path, map_location="cpu", weights_only=True)
         return Dataset(name, _split(tensors, "train"), _split(tensors, "test"))
-    except (OSError, RuntimeError, KeyError, EOFError) as exc:
+    except (OSError, RuntimeError, KeyError, EOFError, pickle.UnpicklingError) as exc:
         raise LaunchError(f"cannot read the {name} cache {path}: {exc}",
                           hint=f"delete {path}; the next run prepares it again") from None
 

@@ -56,7 +56,10 @@ def main(argv: list[str] | None = None) -> None:
                   flush=True)
     except LaunchError as error:
         report_and_exit(error, env.rank if env else None)
-    except Preempted:
+    except Preempted as preempted:
+        # every rank says so: under mpiexec/srun only one exit status reaches the job log
+        print(f"[rank {env.rank}] preempted, {preempted.checkpoint} saved: exit "
+              f"{EXIT_PREEMPTED}", file=sys.stderr, flush=True)
         sys.exit(EXIT_PREEMPTED)
 
 
@@ -96,6 +99,8 @@ class Trainer:
     position: Position = field(default_factory=Position)
     comm_seconds: list[float] = field(default_factory=lambda: [0.0])
     last_saved: int = -1
+    #: steps and seconds since the last report, for an honest average throughput
+    interval: list[float] = field(default_factory=lambda: [0, 0.0])
 
     @property
     def module(self) -> nn.Module:
@@ -229,6 +234,8 @@ class Trainer:
                     self._stop_early()
                     return
                 loss, times, seconds = self._step(batches[p.batch])
+                self.interval[0] += 1
+                self.interval[1] += seconds
                 p.step += 1
                 p.batch += 1
                 if p.step % config.log_every == 0 or p.batch == len(batches):
@@ -344,7 +351,9 @@ class Trainer:
             dist.all_reduce(mean)
             loss = mean.item() / self.env.world_size
         p = self.position
-        rate = self.config.global_batch_size / seconds
+        steps, elapsed = self.interval
+        rate = steps * self.config.global_batch_size / elapsed
+        self.interval[:] = [0, 0.0]
         self.log.metrics({
             "event": "step", "step": p.step, "epoch": p.epoch, "loss": loss,
             "lr": self.scheduler.get_last_lr()[0], "samples_per_s": rate, "t_step": seconds,

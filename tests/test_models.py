@@ -1,0 +1,83 @@
+"""Built-in models and loading a user's ``package.module:factory``, with its errors."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from launcher.errors import LaunchError
+from launcher.models import build_model, check_output
+
+BATCH = torch.rand(3, 1, 28, 28)
+
+
+@pytest.fixture
+def user_module(tmp_path, monkeypatch):
+    """A throwaway importable module ``usermodels`` holding the factories the tests need."""
+    (tmp_path / "usermodels.py").write_text(
+        "import torch.nn as nn\n"
+        "def good():\n    return nn.Sequential(nn.Flatten(), nn.Linear(784, 10))\n"
+        "def wrong_classes():\n    return nn.Sequential(nn.Flatten(), nn.Linear(784, 7))\n"
+        "def wrong_input():\n    return nn.Linear(10, 10)\n"
+        "def not_a_module():\n    return 42\n"
+        "def raises():\n    raise RuntimeError('no weights here')\n"
+        "NOT_CALLABLE = 1\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield "usermodels"
+    sys.modules.pop("usermodels", None)
+
+
+@pytest.mark.parametrize("name, task, shape", [
+    ("mlp", "classify", (3, 10)), ("cnn", "classify", (3, 10)),
+    ("autoencoder", "reconstruct", (3, 1, 28, 28)),
+])
+def test_builtin_models(name, task, shape):
+    spec = build_model(name, 10, dropout=0.1)
+    assert spec.task == task
+    check_output(spec, BATCH, 10, name)
+    assert spec.module(BATCH).shape == shape
+    assert spec.module.training  # check_output leaves the mode as it found it
+
+
+def test_cnn_has_batch_norm_to_convert():
+    spec = build_model("cnn", 10, dropout=0.0)
+    converted = nn.SyncBatchNorm.convert_sync_batchnorm(spec.module)
+    assert any(isinstance(m, nn.SyncBatchNorm) for m in converted.modules())
+
+
+def test_user_factory_loads(user_module):
+    spec = build_model(f"{user_module}:good", 10, dropout=0.1)
+    assert spec.task == "classify"
+    check_output(spec, BATCH, 10, "good")
+
+
+@pytest.mark.parametrize("factory, message", [
+    ("no_such_module_xyz:make", "cannot import 'no_such_module_xyz'"),
+    ("{mod}:missing", "has no callable 'missing'"),
+    ("{mod}:NOT_CALLABLE", "has no callable 'NOT_CALLABLE'"),
+    ("{mod}:not_a_module", "returned int, not a torch.nn.Module"),
+    ("{mod}:raises", "failed: RuntimeError: no weights here"),
+])
+def test_user_factory_errors(user_module, factory, message):
+    with pytest.raises(LaunchError, match=message) as info:
+        build_model(factory.format(mod=user_module), 10, dropout=0.1)
+    assert info.value.hint
+
+
+@pytest.mark.parametrize("factory, message", [
+    ("wrong_classes", r"returns \[3, 7\] for a batch of 3, expected \[3, 10\]"),
+    ("wrong_input", "fails on a batch of shape"),
+])
+def test_user_model_shape_errors(user_module, factory, message):
+    spec = build_model(f"{user_module}:{factory}", 10, dropout=0.1)
+    with pytest.raises(LaunchError, match=message):
+        check_output(spec, BATCH, 10, factory)
+
+
+def test_unknown_builtin():
+    with pytest.raises(LaunchError, match="unknown model 'resnet'"):
+        build_model("resnet", 10, dropout=0.1)

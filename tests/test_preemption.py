@@ -1,0 +1,43 @@
+"""The preemption flag with real signals sent to this process (one rank: no process group)."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+
+from launcher.errors import LaunchError
+from launcher.preemption import PreemptionWatch
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize("name, sent", [
+    ("USR1", signal.SIGUSR1), ("SIGUSR2", signal.SIGUSR2), ("USR1", signal.SIGTERM),
+])
+def test_signal_sets_the_flag(name, sent):
+    with PreemptionWatch(name) as watch:
+        assert not watch.agreed(CPU)
+        os.kill(os.getpid(), sent)
+        assert watch.received == sent
+        assert watch.agreed(CPU)
+
+
+def test_handlers_are_restored():
+    before = signal.getsignal(signal.SIGUSR1)
+    with PreemptionWatch("USR1"):
+        assert signal.getsignal(signal.SIGUSR1) is not before
+    assert signal.getsignal(signal.SIGUSR1) is before
+
+
+def test_other_signals_are_left_alone():
+    with PreemptionWatch("USR2"):
+        assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL
+
+
+def test_unknown_signal_name():
+    with pytest.raises(LaunchError, match="unknown preemption signal 'BOGUS'") as info:
+        PreemptionWatch("BOGUS")
+    assert "DDP_PREEMPT_SIGNAL" in info.value.hint

@@ -1,0 +1,58 @@
+"""The command line: every flag documented, bad values rejected with a hint."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from launcher.config import TrainConfig, build_parser, field_docs, parse_args
+from launcher.errors import LaunchError
+
+
+def test_every_field_has_a_docstring_and_a_flag():
+    docs = field_docs(TrainConfig)
+    help_text = build_parser().format_help()
+    for field in dataclasses.fields(TrainConfig):
+        assert len(docs.get(field.name, "")) > 10, field.name
+        assert f"--{field.name.replace('_', '-')}" in help_text
+
+
+def test_defaults():
+    config = parse_args([])
+    assert config == TrainConfig()
+    assert config.per_rank_batch(2) == 32
+    assert str(config.metrics_path) == "runs/train/metrics.jsonl"
+
+
+def test_values_are_typed():
+    config = parse_args(["--epochs", "2", "--lr", "0.5", "--run-dir", "/x", "--metrics", "m.j"])
+    assert config.epochs == 2 and config.lr == 0.5
+    assert str(config.checkpoint_dir) == "/x/checkpoints" and str(config.metrics_path) == "m.j"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--epochs", "0"], "--epochs must be at least 1"),
+    (["--epochs", "two"], "invalid int value"),
+    (["--precision", "fp8"], "--precision 'fp8' is not one of"),
+    (["--sync", "async"], "--sync 'async' is not one of"),
+    (["--backend", "ucx"], "--backend 'ucx' is not one of"),
+    (["--dataset", "cifar"], "--dataset 'cifar' is not one of"),
+    (["--model", "resnet"], "unknown model 'resnet'"),
+    (["--dropout", "1"], "--dropout must be in"),
+    (["--lr", "-1"], "--lr must be positive"),
+    (["--checkpoint-every", "-5"], "--checkpoint-every must be 0 or more"),
+    (["--no-such-flag"], "unrecognized arguments"),
+])
+def test_bad_flags(argv, message):
+    with pytest.raises(LaunchError, match=message) as info:
+        parse_args(argv)
+    assert info.value.hint
+
+
+def test_batch_must_divide():
+    config = parse_args(["--global-batch-size", "30", "--grad-accum", "2"])
+    assert config.per_rank_batch(3) == 5
+    with pytest.raises(LaunchError, match="does not divide into 4 ranks x 2") as info:
+        config.per_rank_batch(4)
+    assert "multiple of 8" in info.value.hint
