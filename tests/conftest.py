@@ -4,4 +4,5 @@ pytest_plugins = [
     "tests.fixtures.mpi",
     "tests.fixtures.docker",
     "tests.fixtures.slurm",
+    "tests.fixtures.cluster",
 ]

@@ -1,0 +1,117 @@
+"""The compose MPI cluster for real: containers on a private network, mpiexec over ssh.
+
+One 3-node cluster serves the module (2-node runs use node0 and node1 of it); each run is the
+user's own command, ``invoke run --runtime docker``.
+"""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+import yaml
+
+from ddp_tasks import cluster as cl
+from launcher.errors import LaunchError
+from tests.fixtures.cluster import invoke_run, param_hashes
+from tests.fixtures.mpi import json_objects
+
+TRAIN = "--epochs 1 --log-every 5"
+
+
+# --- the compose file (pure) ----------------------------------------------------------------
+
+def test_committed_compose_file_is_the_generated_one():
+    assert cl.MPI_COMPOSE.read_text() == cl.render(cl.mpi_compose(cl.DEFAULT_NODES),
+                                                   cl.DEFAULT_NODES), \
+        "docker/compose.yaml is stale: run `invoke cluster.compose --out docker/compose.yaml`"
+
+
+@pytest.mark.parametrize("nodes", [1, 2, 5])
+def test_compose_spec_shape(nodes):
+    spec = yaml.safe_load(cl.render(cl.mpi_compose(nodes), nodes))
+    hosts = [f"node{i}" for i in range(nodes)]
+    assert list(spec["services"]) == ["keygen", *hosts]
+    for host in hosts:
+        service = spec["services"][host]
+        assert service["hostname"] == host
+        assert service["container_name"] == "${DDP_PREFIX:-}" + host
+        assert service["environment"]["GLOO_SOCKET_IFNAME"] == "eth0"
+        assert "shared:/shared" in service["volumes"]
+        assert "keys:/keys:ro" in service["volumes"]
+        assert service["depends_on"]["keygen"] == {"condition": "service_completed_successfully"}
+    # the launch node starts last, once every other node answers ssh
+    assert spec["services"]["node0"]["depends_on"] == {
+        "keygen": {"condition": "service_completed_successfully"},
+        **{host: {"condition": "service_healthy"} for host in hosts[1:]},
+    }
+
+
+def test_zero_nodes_is_refused():
+    with pytest.raises(LaunchError, match="at least 1") as caught:
+        cl.mpi_compose(0)
+    assert caught.value.hint
+
+
+# --- the running cluster --------------------------------------------------------------------
+
+@pytest.mark.cluster
+@pytest.mark.docker
+def test_image_holds_no_keys(compose_mpi, cpu_image):
+    """Keys come from the cluster's keygen at start-up, never from the image."""
+    found = subprocess.run(
+        ["docker", "run", "--rm", "--user", "root", "--entrypoint", "sh", cpu_image, "-c",
+         "ls /root/.ssh /home/*/.ssh /etc/ssh/ssh_host_* 2>/dev/null; true"],
+        capture_output=True, text=True, timeout=120)
+    assert found.stdout.strip() == ""
+    # while each node of the running cluster has this cluster's key and trusts its peers
+    keys = {compose_mpi.check(host, "cat /root/.ssh/id_ed25519.pub") for host in
+            compose_mpi.hosts}
+    assert len(keys) == 1
+    assert compose_mpi.check("node0", "ssh node2 hostname").strip() == "node2"
+
+
+@pytest.mark.cluster
+@pytest.mark.docker
+@pytest.mark.parametrize("nodes", [2, 3])
+@pytest.mark.parametrize("backend", ["gloo", "mpi"])
+def test_check_across_nodes(compose_mpi, nodes, backend):
+    result = invoke_run(compose_mpi, nodes, "launcher.check", f"--backend {backend} --json")
+    assert result.returncode == 0, result.stdout
+    reports = [obj for obj in json_objects(result.stdout) if "rank" in obj]
+    hosts = {report["rank"]: report["host"] for report in reports}
+    assert hosts == {rank: f"node{rank}" for rank in range(nodes)}, result.stdout
+
+
+@pytest.mark.cluster
+@pytest.mark.docker
+@pytest.mark.parametrize("nodes", [2, 3])
+def test_train_gives_one_model_on_every_node(compose_mpi, nodes):
+    run_dir = f"/shared/runs/train-{nodes}"
+    result = invoke_run(compose_mpi, nodes, "launcher.train", f"{TRAIN} --run-dir {run_dir}")
+    assert result.returncode == 0, result.stdout
+    hashes = param_hashes(result.stdout)
+    assert sorted(hashes) == list(range(nodes)), result.stdout
+    assert len(set(hashes.values())) == 1, hashes
+    # rank 0 wrote the final checkpoint where every node sees it
+    for host in compose_mpi.hosts[:nodes]:
+        assert "ckpt-" in compose_mpi.check(host, f"ls {run_dir}/checkpoints")
+
+
+@pytest.mark.cluster
+@pytest.mark.docker
+def test_node_local_and_shared_data_give_the_same_model(compose_mpi):
+    """Node-local data: each node prepares its own copy. Shared: one copy for all nodes."""
+    hashes = {}
+    for kind, data_dir in (("local", "/tmp/ddp-data"), ("shared", "/shared/data")):
+        result = invoke_run(compose_mpi, 2, "launcher.train",
+                            f"{TRAIN} --data-dir {data_dir} --run-dir /shared/runs/data-{kind}")
+        assert result.returncode == 0, result.stdout
+        found = param_hashes(result.stdout)
+        assert sorted(found) == [0, 1], result.stdout
+        hashes[kind] = found[0]
+    for host in ("node0", "node1"):
+        assert compose_mpi.check(host, "ls /tmp/ddp-data/cache").split(), host
+    assert compose_mpi.exec("node2", "ls /tmp/ddp-data").returncode != 0, \
+        "node2 took no part, it must have no data"
+    assert hashes["local"] == hashes["shared"]
