@@ -191,7 +191,7 @@ def build_image(*, flavor: str = "cpu", name: str = ic.DEFAULT_NAME, base_image:
                   f"(default {ic.DEFAULT_WHEELHOUSE}/ when it exists)",
     "ca_bundle": "full CA bundle pip trusts during the build, for TLS-intercepting proxies "
                  "(default: $PIP_CERT); not kept in the image unless --keep-ca",
-    "keep_ca": "also install the CA bundle into the runtime image's trust store",
+    "keep_ca": "keep the CA bundle in the image for pip in its venv (/opt/ddp/ca, venv pip.conf)",
     "build_args": "more build arguments, NAME=VALUE,NAME=VALUE (e.g. TORCH_VERSION=2.13.0)",
     "target": "Dockerfile stage to build: runtime (default) or torch-source (hours)",
     "nocache": "ignore the build cache",
