@@ -158,14 +158,16 @@ def test_mpi4py_is_built_against_the_image_mpich(cpu_image, run_in_image):
 @pytest.mark.docker
 def test_runtime_is_lean_non_root_and_keeps_no_build_input(cpu_image, run_in_image):
     script = ("id -u; for tool in gcc cc make; do command -v $tool && echo HAS-$tool; done; "
-              "ls /tmp/build-inputs /etc/pip.conf 2>&1; ls -A /opt/ddp/ca /opt/ddp/venv/pip.conf 2>&1;"
-              " ls /etc/ssh/ssh_host_* 2>&1; command -v sshd ssh ps ip")
+              "ls /tmp/build-inputs /etc/pip.conf /opt/ddp/venv/pip.conf 2>&1; "
+              "echo CA-FILES=$(ls -A /opt/ddp/ca | wc -l); "
+              "ls /etc/ssh/ssh_host_* 2>&1; command -v sshd ssh ps ip")
     status, output = run_in_image(cpu_image, ["bash", "-c", script])
     assert output.splitlines()[0] == "1000"
     assert "HAS-" not in output
     assert "/tmp/build-inputs: No such file" in output
     assert "/etc/pip.conf: No such file" in output
     assert "/opt/ddp/venv/pip.conf: No such file" in output
+    assert "CA-FILES=0" in output
     assert "ssh_host_*: No such file" in output
     for tool in ("/usr/sbin/sshd", "/usr/bin/ssh", "/usr/bin/ps", "/usr/bin/ip"):
         assert tool in output
