@@ -107,7 +107,7 @@ def _cuda_aware() -> bool:
 
 def _reduction(dtype: torch.dtype, op) -> tuple[MPI.Op, torch.dtype]:
     """The MPI op for ``op`` on ``dtype`` and the dtype to compute in."""
-    kind = op.op if isinstance(op, dist.ReduceOp) else op
+    kind = getattr(op, "op", op)  # a ReduceOp wraps its RedOpType; the enum may come bare
     if dtype == torch.bool:
         table, compute = _LOGICAL, dtype
     elif dtype.is_floating_point or dtype.is_complex:
@@ -131,10 +131,11 @@ def _addressable(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Ten
     if t.is_cpu and (dtype is None or dtype == t.dtype) and t.is_contiguous():
         return t
     if t.is_cuda and _cuda_aware():
-        out = t.detach().to(dtype=dtype, memory_format=torch.contiguous_format)
+        out = t.detach().to(dtype=dtype).contiguous()
         torch.cuda.current_stream(t.device).synchronize()
         return out
-    return t.detach().to(device=_CPU, dtype=dtype, memory_format=torch.contiguous_format)
+    # .to() keeps a non-contiguous layout; .contiguous() is what makes one dense copy
+    return t.detach().to(device=_CPU, dtype=dtype).contiguous()
 
 
 def _spec(t: torch.Tensor, blocks: int = 1) -> list:

@@ -1,0 +1,387 @@
+"""Runs under mpiexec for tests/test_mpi_backend.py; ``argv[1]`` names the scenario.
+
+Every scenario prints one JSON object per rank on stdout ({"rank": r, ...}) and exits 0, or
+exits non-zero naming what failed. The gloo group needs MASTER_ADDR/MASTER_PORT (the test picks
+a free port).
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import sys
+import time
+import zlib
+
+import torch
+import torch.distributed as dist
+from mpi4py import MPI
+
+from launcher import mpi_backend
+from launcher.errors import LaunchError, report_and_exit
+
+WORLD = MPI.COMM_WORLD
+RANK, SIZE = WORLD.rank, WORLD.size
+TIMEOUT = datetime.timedelta(seconds=60)
+R = dist.ReduceOp
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64,
+          torch.complex128, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8,
+          torch.uint16, torch.uint32, torch.uint64, torch.bool]
+# dtypes gloo lacks: gloo computes the reference in 8 bits (values and results are small)
+GLOO_PROXY = {torch.int16: torch.int8, torch.uint16: torch.uint8, torch.uint32: torch.uint8,
+              torch.uint64: torch.uint8}
+# (shape, non-contiguous): a rank's share; ops that split a tensor among ranks scale dim 0
+SHAPES = [((0,), False), ((1,), False), ((6, 7), False), ((6, 7), True)]
+BIG = ((3 << 18,), False)  # 3 MiB of float32: MPI's large-message protocol
+
+
+def emit(**fields) -> None:
+    print(json.dumps({"rank": RANK, **fields}), flush=True)
+
+
+def init_default(backend: str, shared_store: bool = False) -> None:
+    """mpi4py needs no shared store; gloo groups made later by new_group do (env://)."""
+    if backend == "gloo" or shared_store:
+        dist.init_process_group(backend, rank=RANK, world_size=SIZE, timeout=TIMEOUT)
+    else:
+        dist.init_process_group(mpi_backend.register(), store=dist.HashStore(), rank=RANK,
+                                world_size=SIZE, timeout=TIMEOUT)
+
+
+# -- inputs --------------------------------------------------------------------------------
+
+def rand(shape, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=gen).bool()
+    if dtype.is_complex:
+        return torch.randn(shape, dtype=dtype, generator=gen)
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=gen).to(dtype)
+    low = -4 if dtype.is_signed else 0
+    return torch.randint(low, 5, shape, generator=gen).to(dtype)
+
+
+def tensor(shape, dtype, noncontig: bool, gen: torch.Generator) -> torch.Tensor:
+    """A random tensor; the same values in a strided view (every other element) if
+    ``noncontig``."""
+    values = rand(shape, dtype, gen)
+    if not noncontig:
+        return values
+    t = torch.empty((*shape, 2), dtype=dtype)[..., 0]
+    t.copy_(values)
+    assert not t.is_contiguous()
+    return t
+
+
+def empty(shape, dtype, noncontig: bool) -> torch.Tensor:
+    """An output tensor filled with a marker, strided like ``tensor``'s."""
+    gen = torch.Generator().manual_seed(1234)
+    return tensor(shape, dtype, noncontig, gen)
+
+
+# -- ops: each takes (group, dtype, shape, noncontig, gen) and returns tensors to compare -----
+
+def rows(i: int, j: int) -> int:
+    """Uneven all-to-all: rows rank i sends to rank j (symmetric, so j expects the same)."""
+    return (i + j) % 3 + 1
+
+
+def group_rank(group) -> int:
+    return dist.get_rank(group)
+
+
+def gloo_real(g, t: torch.Tensor) -> torch.Tensor:
+    """gloo's gather and scatter lack complex dtypes: move the (real, imag) pairs instead."""
+    return torch.view_as_real(t) if t.is_complex() and dist.get_backend(g) == "gloo" else t
+
+
+def make_ops():
+    def all_reduce(op):
+        def run(g, dt, shape, nc, gen):
+            t = tensor(shape, dt, nc, gen)
+            dist.all_reduce(t, op=op, group=g)
+            return [t]
+        return run
+
+    def reduce(op):
+        def run(g, dt, shape, nc, gen):
+            t = tensor(shape, dt, nc, gen)
+            root = SIZE - 1
+            dist.reduce(t, dst=root, op=op, group=g)
+            return [t] if root == RANK else []
+        return run
+
+    def broadcast(g, dt, shape, nc, gen):
+        t = tensor(shape, dt, nc, gen)
+        dist.broadcast(t, src=SIZE - 1, group=g)
+        return [t]
+
+    def all_gather(g, dt, shape, nc, gen):
+        outs = [empty(shape, dt, nc) for _ in range(SIZE)]
+        dist.all_gather(outs, tensor(shape, dt, nc, gen), group=g)
+        return outs
+
+    def all_gather_into_tensor(g, dt, shape, nc, gen):
+        out = empty((SIZE * shape[0], *shape[1:]), dt, False)
+        dist.all_gather_into_tensor(out, tensor(shape, dt, nc, gen), group=g)
+        return [out]
+
+    def gather(g, dt, shape, nc, gen):
+        outs = [empty(shape, dt, nc) for _ in range(SIZE)] if RANK == 0 else []
+        dist.gather(gloo_real(g, tensor(shape, dt, nc, gen)),
+                    [gloo_real(g, t) for t in outs] or None, dst=0, group=g)
+        return outs
+
+    def scatter(g, dt, shape, nc, gen):
+        ins = [gloo_real(g, tensor(shape, dt, nc, gen)) for _ in range(SIZE)] if RANK == 0 else None
+        out = empty(shape, dt, nc)
+        dist.scatter(gloo_real(g, out), ins, src=0, group=g)
+        return [out]
+
+    def reduce_scatter(op):
+        def run(g, dt, shape, nc, gen):
+            out = empty(shape, dt, nc)
+            dist.reduce_scatter(out, [tensor(shape, dt, nc, gen) for _ in range(SIZE)], op=op,
+                                group=g)
+            return [out]
+        return run
+
+    def reduce_scatter_tensor(op):
+        def run(g, dt, shape, nc, gen):
+            out = empty(shape, dt, False)
+            inp = tensor((SIZE * shape[0], *shape[1:]), dt, nc, gen)
+            dist.reduce_scatter_tensor(out, inp, op=op, group=g)
+            return [out]
+        return run
+
+    def all_to_all(g, dt, shape, nc, gen):
+        # equal sizes: gloo's list form has no uneven splits (all_to_all_single_uneven has)
+        ins = [tensor(shape, dt, nc, gen) for _ in range(SIZE)]
+        outs = [empty(shape, dt, nc) for _ in range(SIZE)]
+        dist.all_to_all(outs, ins, group=g)
+        return outs
+
+    def all_to_all_single(g, dt, shape, nc, gen):
+        shape = (SIZE * shape[0], *shape[1:])
+        out = empty(shape, dt, False)
+        dist.all_to_all_single(out, tensor(shape, dt, nc, gen), group=g)
+        return [out]
+
+    def all_to_all_single_uneven(g, dt, shape, nc, gen):
+        width = shape[-1] if len(shape) > 1 else 1
+        splits = [rows(RANK, j) for j in range(SIZE)]
+        inp = tensor((sum(splits), width), dt, nc, gen)
+        out = empty((sum(splits), width), dt, False)
+        dist.all_to_all_single(out, inp, splits, splits, group=g)
+        return [out]
+
+    def isend_irecv(g, dt, shape, nc, gen):
+        ranks = dist.get_process_group_ranks(g)
+        me = group_rank(g)
+        nxt, prev = ranks[(me + 1) % SIZE], ranks[(me - 1) % SIZE]
+        out = empty(shape, dt, nc)
+        works = [dist.irecv(out, src=prev, group=g),
+                 dist.isend(tensor(shape, dt, nc, gen), dst=nxt, group=g)]
+        for w in works:
+            w.wait()
+        return [out]
+
+    def send_recv(g, dt, shape, nc, gen):
+        """Blocking ring: rank 0 sends first, the others receive first (from any source)."""
+        ranks = dist.get_process_group_ranks(g)
+        me = group_rank(g)
+        nxt = ranks[(me + 1) % SIZE]
+        t, out = tensor(shape, dt, nc, gen), empty(shape, dt, nc)
+        if me == 0:
+            dist.send(t, dst=nxt, group=g)
+            src = dist.recv(out, group=g)
+        else:
+            src = dist.recv(out, group=g)
+            dist.send(t, dst=nxt, group=g)
+        return [out, torch.tensor([src], dtype=dt)]
+
+    moves = {"broadcast": broadcast, "all_gather": all_gather,
+             "all_gather_into_tensor": all_gather_into_tensor, "gather": gather,
+             "scatter": scatter, "all_to_all": all_to_all,
+             "all_to_all_single": all_to_all_single,
+             "all_to_all_single_uneven": all_to_all_single_uneven,
+             "isend_irecv": isend_irecv, "send_recv": send_recv}
+    reductions = {"all_reduce": all_reduce, "reduce": reduce, "reduce_scatter": reduce_scatter,
+                  "reduce_scatter_tensor": reduce_scatter_tensor}
+    return moves, reductions
+
+
+def reduce_ops(dtype: torch.dtype):
+    if dtype == torch.bool or not (dtype.is_floating_point or dtype.is_complex):
+        return [R.SUM, R.PRODUCT, R.MIN, R.MAX, R.BAND, R.BOR, R.BXOR]
+    if dtype.is_complex:
+        return [R.SUM, R.AVG]  # gloo has no complex PRODUCT, MPI no complex MIN/MAX
+    return [R.SUM, R.AVG, R.PRODUCT, R.MIN, R.MAX]
+
+
+def tolerance(dtype: torch.dtype, reducing: bool) -> dict:
+    """Exact for data movement and integers; float reductions may be ordered differently, and
+    16-bit floats are reduced in float32 by mpi4py but in 16 bits by gloo (documented)."""
+    if not reducing or not (dtype.is_floating_point or dtype.is_complex):
+        return {"rtol": 0, "atol": 0}
+    eps = torch.finfo(dtype).eps
+    if dtype in (torch.float16, torch.bfloat16):
+        return {"rtol": 4 * eps, "atol": 16 * eps}
+    return {"rtol": 8 * eps, "atol": 8 * eps}
+
+
+def run_case(name: str, fn, groups, dtype, shape, nc) -> str | None:
+    """Run ``fn`` on gloo and mpi4py with the same inputs; None if they agree.
+
+    gloo always gets contiguous tensors: it rejects some non-contiguous ones and silently
+    reduces the wrong elements of others (all_reduce, broadcast, scatter in torch 2.13).
+    """
+    seed = zlib.crc32(f"{name}/{dtype}/{shape}/{nc}".encode()) * 8 + RANK
+    proxy = GLOO_PROXY.get(dtype, dtype)
+    expected = [t.to(dtype) for t in fn(groups["gloo"], proxy, shape, False,
+                                         torch.Generator().manual_seed(seed))]
+    got = fn(groups["mpi4py"], dtype, shape, nc, torch.Generator().manual_seed(seed))
+    try:
+        assert len(got) == len(expected)
+        for a, b in zip(got, expected, strict=True):
+            assert a.dtype == b.dtype and a.shape == b.shape, (a.dtype, a.shape, b.dtype, b.shape)
+            torch.testing.assert_close(a, b, equal_nan=True,
+                                       **tolerance(dtype, name.startswith("reduce")
+                                                   or name.startswith("all_reduce")))
+    except AssertionError as error:
+        return f"{name} {dtype} shape={shape} noncontig={nc}: {str(error)[:300]}"
+    return None
+
+
+def scenario_compare() -> None:
+    """Every op and dtype on gloo and mpi4py groups in the same processes; mpi4py group made
+    by new_group when gloo is the default (argv[2] == 'gloo-default'), else the other way."""
+    default = "gloo" if sys.argv[2] == "gloo-default" else "mpi4py"
+    other = "mpi4py" if default == "gloo" else "gloo"
+    mpi_backend.register()
+    init_default(default, shared_store=True)
+    groups = {default: dist.group.WORLD,
+              other: dist.new_group(backend=other, timeout=TIMEOUT)}
+    moves, reductions = make_ops()
+    cases, failures = 0, []
+    for dtype in DTYPES:
+        shapes = SHAPES + ([BIG] if dtype == torch.float32 else [])
+        for shape, nc in shapes:
+            for name, fn in moves.items():
+                if name == "send_recv" and shape == (0,):
+                    continue  # gloo's receive from any source fails on empty tensors
+                failures.append(run_case(name, fn, groups, dtype, shape, nc))
+                cases += 1
+            for name, make in reductions.items():
+                for op in reduce_ops(dtype):
+                    failures.append(run_case(f"{name}/{op}", make(op), groups, dtype, shape, nc))
+                    cases += 1
+    for group in groups.values():
+        dist.barrier(group=group)
+    objects = [None] * SIZE
+    dist.all_gather_object(objects, {"rank": RANK}, group=groups["mpi4py"])
+    box = [{"from": 0}] if RANK == 0 else [None]
+    dist.broadcast_object_list(box, src=0, group=groups["mpi4py"])
+    if objects != [{"rank": r} for r in range(SIZE)] or box != [{"from": 0}]:
+        failures.append(f"object collectives: {objects} {box}")
+    failures = [f for f in failures if f]
+    emit(cases=cases, failures=failures[:20], failed=len(failures))
+    dist.destroy_process_group()
+    sys.exit(1 if failures else 0)
+
+
+def train(backend: str, steps: int) -> str:
+    """``steps`` of DDP SGD on a small MLP, each rank its own data; the parameters' sha256."""
+    torch.manual_seed(RANK)  # different initial weights: DDP must broadcast rank 0's
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    model.register_buffer("step", torch.zeros((), dtype=torch.int64))
+    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.001)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    gen = torch.Generator().manual_seed(100 + RANK)
+    for _ in range(steps):
+        x, y = torch.randn(8, 16, generator=gen), torch.randn(8, 4, generator=gen)
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(ddp(x), y).backward()
+        optimizer.step()
+    digest = hashlib.sha256()
+    for p in model.parameters():
+        digest.update(p.detach().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def scenario_ddp() -> None:
+    """50 DDP steps on the mpi4py default group (argv[2]: steps); prints the weights' hash."""
+    steps = int(sys.argv[2])
+    init_default("mpi4py")
+    emit(backend="mpi4py", digest=train("mpi4py", steps),
+         thread_level=MPI.Query_thread())
+    dist.destroy_process_group()
+    init_default("gloo")
+    emit(backend="gloo", digest=train("gloo", steps))
+    dist.destroy_process_group()
+
+
+def scenario_subgroup() -> None:
+    """new_group over ranks [0, size-1] with mpi4py, default group mpi4py too."""
+    init_default("mpi4py")
+    members = [0, SIZE - 1]
+    sub = dist.new_group(members, timeout=TIMEOUT)
+    result = None
+    if RANK in members:
+        t = torch.tensor([float(RANK + 1)])
+        dist.all_reduce(t, group=sub)
+        dist.broadcast(t, src=members[-1], group=sub)
+        result = t.item()
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    emit(subgroup_sum=result, world_sum=t.item())
+    dist.destroy_process_group()
+
+
+def scenario_bad_world_size() -> None:
+    """init_process_group with one rank too many: every rank must say so and exit non-zero."""
+    try:
+        dist.init_process_group(mpi_backend.register(), store=dist.HashStore(), rank=RANK,
+                                world_size=SIZE + 1, timeout=TIMEOUT)
+    except LaunchError as error:
+        report_and_exit(error, RANK)
+    emit(error=None)
+
+
+def scenario_bad_reduce_op() -> None:
+    """BAND on float32: a clear error on every rank (no rank reaches the MPI call)."""
+    init_default("mpi4py")
+    try:
+        dist.all_reduce(torch.ones(3), op=R.BAND)
+    except LaunchError as error:
+        report_and_exit(error, RANK)
+    emit(error=None)
+
+
+def scenario_timeout() -> None:
+    """The last rank never enters the barrier: the others time out naming the op and exit."""
+    dist.init_process_group(mpi_backend.register(), store=dist.HashStore(), rank=RANK,
+                            world_size=SIZE, timeout=datetime.timedelta(seconds=2))
+    if RANK == SIZE - 1:
+        time.sleep(60)  # stuck rank; mpiexec must clean it up when the others abort
+        sys.exit(0)
+    try:
+        dist.barrier()
+    except LaunchError as error:
+        report_and_exit(error, RANK)
+    emit(error=None)
+
+
+SCENARIOS = {
+    "compare": scenario_compare,
+    "ddp": scenario_ddp,
+    "subgroup": scenario_subgroup,
+    "bad-world-size": scenario_bad_world_size,
+    "bad-reduce-op": scenario_bad_reduce_op,
+    "timeout": scenario_timeout,
+}
+
+if __name__ == "__main__":
+    SCENARIOS[sys.argv[1]]()
