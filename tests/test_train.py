@@ -1,0 +1,264 @@
+"""``python -m launcher.train`` for real: mpiexec, several ranks, real signals, real files.
+
+Every run has a timeout (run_mpi kills all ranks), so a hang fails the test instead of the suite.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from launcher import checkpoint
+from launcher.errors import EXIT_PREEMPTED, EXIT_USER_ERROR
+from tests.fixtures.mpi import clean_environ, json_objects, mpiexec_path, run_mpi
+
+pytestmark = pytest.mark.mpi
+
+BACKENDS = ["gloo", "mpi"]
+HASH = re.compile(r"param-sha256 rank=(\d+) ([0-9a-f]{64})")
+#: 1438 training digits, 16 per step: 89 steps per epoch at 2 ranks, dropout on (RNG matters)
+RESUME_FLAGS = ["--global-batch-size", "16", "--epochs", "2", "--log-every", "1",
+                "--checkpoint-every", "0"]
+STEPS_PER_EPOCH = 89
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> Path:
+    """One digits cache for the module (preparing it is part of every first run anyway)."""
+    return tmp_path_factory.mktemp("data")
+
+
+def train(ranks: int, run_dir: Path, data_dir: Path, *flags: str, backend: str = "gloo",
+          timeout: float = 240, env: dict[str, str] | None = None):
+    args = ["-m", "launcher.train", "--run-dir", str(run_dir), "--data-dir", str(data_dir),
+            "--backend", backend, *flags]
+    return run_mpi(ranks, args, timeout=timeout, env=env)
+
+
+def hashes(result) -> dict[int, str]:
+    return {int(rank): digest for rank, digest in HASH.findall(result.stdout)}
+
+
+def the_hash(result, ranks: int = 2) -> str:
+    """The one parameter hash all ranks printed; fails unless every rank printed the same."""
+    found = hashes(result)
+    assert sorted(found) == list(range(ranks)), result.output
+    assert len(set(found.values())) == 1, found
+    return found[0]
+
+
+def metrics(run_dir: Path, event: str) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return [r for r in json_objects(path.read_text()) if r.get("event") == event]
+
+
+_references: dict[str, str] = {}
+
+
+def reference_hash(backend: str, data_dir: Path, tmp_path_factory) -> str:
+    """The parameters after an uninterrupted run with RESUME_FLAGS (computed once per backend)."""
+    if backend not in _references:
+        run_dir = tmp_path_factory.mktemp(f"reference-{backend}")
+        result = train(2, run_dir, data_dir, *RESUME_FLAGS, backend=backend)
+        assert result.returncode == 0, result.output
+        _references[backend] = the_hash(result)
+    return _references[backend]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_default_run_reaches_the_documented_accuracy(tmp_path, data_dir, backend):
+    result = train(2, tmp_path, data_dir, backend=backend)
+    assert result.returncode == 0, result.output
+    the_hash(result)
+    evals = metrics(tmp_path, "eval")
+    assert len(evals) == 10
+    assert evals[-1]["test_accuracy"] >= 0.95, evals[-1]  # the bar in docs/training.md
+    steps = metrics(tmp_path, "step")
+    assert steps[-1]["step"] == 220 and all(s["samples_per_s"] > 0 for s in steps)
+    assert (tmp_path / "checkpoints" / "ckpt-00000220.pt").is_file()
+    assert "Traceback" not in result.stderr
+
+
+def _rank_pids(root: int) -> dict[int, int]:
+    """Rank -> pid of the python processes below ``root`` (mpiexec), from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            children.setdefault(int(fields[1]), []).append(int(entry.name))
+    ranks, todo = {}, [root]
+    while todo:
+        pid = todo.pop()
+        todo.extend(children.get(pid, []))
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        rank = [v for v in environ if v.startswith(b"PMI_RANK=")]
+        if rank and b"launcher.train" in cmdline:
+            ranks[int(rank[0].split(b"=")[1])] = pid
+    return ranks
+
+
+def _start_training(run_dir: Path, data_dir: Path, backend: str) -> subprocess.Popen:
+    command = [str(mpiexec_path()), "-n", "2", sys.executable, "-m", "launcher.train",
+               "--run-dir", str(run_dir), "--data-dir", str(data_dir), "--backend", backend,
+               *RESUME_FLAGS]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=clean_environ(), start_new_session=True)
+
+
+def _wait_for_step(process: subprocess.Popen, run_dir: Path, step: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    path = run_dir / "metrics.jsonl"
+    while time.monotonic() < deadline and process.poll() is None:
+        if path.exists() and any(r.get("step", 0) >= step for r in json_objects(path.read_text())):
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"training never reached step {step} (exit {process.poll()})")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sigusr1_to_one_rank_then_resume_is_bit_exact(tmp_path, data_dir, backend,
+                                                      tmp_path_factory):
+    expected = reference_hash(backend, data_dir, tmp_path_factory)
+    process = _start_training(tmp_path, data_dir, backend)
+    try:
+        # a few steps into the second epoch: the stop lands mid-epoch, before its 89 steps end
+        _wait_for_step(process, tmp_path, STEPS_PER_EPOCH + 3, timeout=180)
+        pids = _rank_pids(process.pid)
+        assert sorted(pids) == [0, 1], pids
+        os.kill(pids[1], signal.SIGUSR1)  # one rank only: rank 0 must learn it collectively
+        stdout, stderr = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+    assert process.returncode == EXIT_PREEMPTED, stdout + stderr
+    for rank in (0, 1):
+        assert f"[rank {rank}] preempted" in stderr, stderr
+    assert not HASH.search(stdout)
+    saved = checkpoint.list_checkpoints(tmp_path / "checkpoints")
+    assert len(saved) == 1
+    state = checkpoint.load(saved[0])
+    assert state["epoch"] == 1 and 0 < state["batch"] < STEPS_PER_EPOCH, (state["epoch"],
+                                                                          state["batch"])
+    assert len(state["rng"]) == 2 and not torch.equal(state["rng"][0]["torch"],
+                                                      state["rng"][1]["torch"])
+
+    resumed = train(2, tmp_path, data_dir, *RESUME_FLAGS, "--resume", "auto", backend=backend)
+    assert resumed.returncode == 0, resumed.output
+    assert f"resuming from {saved[0]}" in resumed.stdout
+    assert the_hash(resumed) == expected
+
+
+def test_corrupt_newest_checkpoint_is_skipped_and_resume_stays_exact(tmp_path, data_dir,
+                                                                     tmp_path_factory):
+    expected = reference_hash("gloo", data_dir, tmp_path_factory)
+    first = train(2, tmp_path, data_dir, *RESUME_FLAGS, "--max-steps", "30",
+                  "--checkpoint-every", "10")
+    assert first.returncode == 0, first.output
+    directory = tmp_path / "checkpoints"
+    assert [p.name for p in checkpoint.list_checkpoints(directory)] == [
+        "ckpt-00000010.pt", "ckpt-00000020.pt", "ckpt-00000030.pt"]
+    newest = directory / "ckpt-00000030.pt"
+    newest.write_bytes(newest.read_bytes()[:-1000])  # a writer cut off by a crash, say
+
+    resumed = train(2, tmp_path, data_dir, *RESUME_FLAGS)  # --resume auto is the default
+    assert resumed.returncode == 0, resumed.output
+    assert "skipping checkpoint" in resumed.stderr and "ckpt-00000030.pt" in resumed.stderr
+    assert "resuming from" in resumed.stdout and "(step 20, epoch 0, batch 20)" in resumed.stdout
+    assert the_hash(resumed) == expected
+
+
+def test_sync_modes_and_world_sizes_agree(tmp_path, data_dir):
+    """Synchronous SGD: DDP and the hand-written all-reduce give the same weights, and 2 ranks
+    of half the batch each match 1 rank of the whole batch up to float rounding."""
+    flags = ["--dropout", "0", "--epochs", "1", "--global-batch-size", "32"]
+    ddp = train(2, tmp_path / "ddp", data_dir, *flags, "--sync", "ddp")
+    manual = train(2, tmp_path / "manual", data_dir, *flags, "--sync", "manual")
+    single = train(1, tmp_path / "single", data_dir, *flags)
+    for result in (ddp, manual, single):
+        assert result.returncode == 0, result.output
+    assert the_hash(ddp) == the_hash(manual)
+
+    def weights(name: str) -> dict[str, torch.Tensor]:
+        return checkpoint.load(tmp_path / name / "checkpoints" / "ckpt-00000044.pt")["model"]
+
+    two, one = weights("ddp"), weights("single")
+    worst = max((two[k] - one[k]).abs().max().item() for k in two)
+    assert worst < 1e-4, worst  # the tolerance stated in docs/training.md
+
+
+@pytest.fixture
+def user_models(tmp_path) -> dict[str, str]:
+    (tmp_path / "mymodels.py").write_text(
+        "import torch.nn as nn\n"
+        "def seven():\n    return nn.Sequential(nn.Flatten(), nn.Linear(784, 7))\n")
+    return {"PYTHONPATH": f"{tmp_path}{os.pathsep}{Path(__file__).resolve().parents[1]}"}
+
+
+def _damaged_mnist(directory: Path) -> None:
+    from tests.test_data import write_mnist
+
+    directory.mkdir()
+    write_mnist(directory)
+    path = directory / "train-images-idx3-ubyte"
+    path.write_bytes(path.read_bytes()[:-5])
+
+
+BAD_INPUTS = {
+    "batch-does-not-divide": (["--global-batch-size", "63"], "does not divide into 2 ranks"),
+    "unknown-model": (["--model", "resnet"], "unknown model 'resnet'"),
+    "model-import-fails": (["--model", "nosuchpkg.models:make"], "cannot import 'nosuchpkg"),
+    "model-wrong-classes": (["--model", "mymodels:seven"], "returns [2, 7]"),
+    "mnist-missing": (["--dataset", "mnist", "--data-dir", "{tmp}/empty"],
+                      "train-images-idx3-ubyte[.gz] not found"),
+    "mnist-truncated": (["--dataset", "mnist", "--data-dir", "{tmp}/mnist"], "promises"),
+    "fp16-on-cpu": (["--precision", "fp16"], "fp16 needs a GPU"),
+    "resume-path-missing": (["--resume", "{tmp}/nope.pt"], "cannot read checkpoint"),
+    "bad-flag": (["--epochs", "0"], "--epochs must be at least 1"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_input_stops_every_rank_with_a_hint(tmp_path, data_dir, user_models, case):
+    flags, message = BAD_INPUTS[case]
+    (tmp_path / "empty").mkdir()
+    _damaged_mnist(tmp_path / "mnist")
+    flags = [f.format(tmp=tmp_path) for f in flags]
+    run_dir = tmp_path / "run"
+    args = ["-m", "launcher.train", "--run-dir", str(run_dir), "--data-dir", str(data_dir),
+            *flags]
+    result = run_mpi(2, args, timeout=120, env=user_models)
+    assert not result.timed_out, result.output
+    assert result.returncode == EXIT_USER_ERROR, result.output
+    for rank in (0, 1):
+        assert f"[rank {rank}] error:" in result.stderr, result.output
+        assert f"[rank {rank}] HINT:" in result.stderr, result.output
+    assert message in result.stderr, result.output
+    assert "Traceback" not in result.stderr, result.output
+    assert not list(run_dir.glob("checkpoints/*"))
+
+
+def test_resume_with_another_world_size_is_refused(tmp_path, data_dir):
+    first = train(1, tmp_path, data_dir, "--max-steps", "2", "--epochs", "1")
+    assert first.returncode == 0, first.output
+    second = train(2, tmp_path, data_dir, "--epochs", "1")
+    assert second.returncode == EXIT_USER_ERROR, second.output
+    for rank in (0, 1):
+        assert f"[rank {rank}] error: " in second.stderr
+    assert "written by 1 ranks, this run has 2" in second.stderr
+    assert "HINT: resume with 1 ranks" in second.stderr
