@@ -262,3 +262,38 @@ def test_resume_with_another_world_size_is_refused(tmp_path, data_dir):
         assert f"[rank {rank}] error: " in second.stderr
     assert "written by 1 ranks, this run has 2" in second.stderr
     assert "HINT: resume with 1 ranks" in second.stderr
+
+
+def test_ddp_equals_manual_for_cnn_with_batch_norm_dropout_and_accumulation(tmp_path, data_dir):
+    flags = ["--model", "cnn", "--epochs", "1", "--grad-accum", "2", "--max-steps", "8"]
+    ddp = train(2, tmp_path / "ddp", data_dir, *flags, "--sync", "ddp")
+    manual = train(2, tmp_path / "manual", data_dir, *flags, "--sync", "manual")
+    assert ddp.returncode == 0 and manual.returncode == 0, ddp.output + manual.output
+    assert the_hash(ddp) == the_hash(manual)
+
+
+def test_gradient_accumulation_matches_one_big_batch(tmp_path, data_dir):
+    flags = ["--dropout", "0", "--epochs", "1", "--max-steps", "10", "--global-batch-size", "32"]
+    runs = {accum: train(2, tmp_path / accum, data_dir, *flags, "--grad-accum", accum)
+            for accum in ("1", "4")}
+    for result in runs.values():
+        assert result.returncode == 0, result.output
+
+    def weights(accum: str) -> dict[str, torch.Tensor]:
+        return checkpoint.load(tmp_path / accum / "checkpoints" / "ckpt-00000010.pt")["model"]
+
+    one, four = weights("1"), weights("4")
+    assert max((one[k] - four[k]).abs().max().item() for k in one) < 1e-5
+
+
+@pytest.mark.parametrize("flags, key", [
+    (["--model", "autoencoder", "--lr", "1"], "test_loss"),  # SGD needs a larger step here
+    (["--precision", "bf16"], "test_accuracy"),
+])
+def test_other_models_and_precisions_train(tmp_path, data_dir, flags, key):
+    result = train(2, tmp_path, data_dir, *flags, "--epochs", "2")
+    assert result.returncode == 0, result.output
+    the_hash(result)
+    first, last = metrics(tmp_path, "eval")
+    assert ("test_accuracy" in last) == (key == "test_accuracy")
+    assert last["test_loss"] < first["test_loss"]
