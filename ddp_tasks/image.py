@@ -77,9 +77,14 @@ def make_base(tag: str = ic.DEFAULT_BASE_TAG, suite: str = "bookworm",
         print(f"$ {shlex.join(command)}", file=out, flush=True)
         subprocess.run(command, check=True, timeout=1800, stdout=subprocess.DEVNULL)
         (rootfs / "etc/apt/sources.list").write_text(ic.apt_sources(suite, mirror))
-        for cache in ("var/cache/apt/archives", "var/lib/apt/lists"):
-            for entry in (rootfs / cache).glob("*"):
-                if entry.is_file():
+        for relative, text in ic.BASE_IMAGE_FILES.items():
+            (rootfs / relative).parent.mkdir(parents=True, exist_ok=True)
+            (rootfs / relative).write_text(text)
+        for pattern in ic.BASE_IMAGE_PRUNE:
+            for entry in rootfs.glob(pattern):
+                if entry.is_dir() and not entry.is_symlink():
+                    shutil.rmtree(entry)
+                else:
                     entry.unlink()
         print(f"importing {rootfs} as {tag}", file=out, flush=True)
         tar = subprocess.Popen(["tar", "--numeric-owner", "-C", str(rootfs), "-c", "."],

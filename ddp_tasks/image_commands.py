@@ -150,6 +150,25 @@ def apt_sources(suite: str = "bookworm", mirror: str = DEBIAN_MIRROR,
             f"deb {security} {suite}-security main\n")
 
 
+#: what Debian's official ``-slim`` images configure, so that a debootstrap base is as lean:
+#: apt keeps no downloaded packages or caches, dpkg installs no docs, man pages or locales
+BASE_IMAGE_FILES = {
+    "etc/apt/apt.conf.d/docker-clean": (
+        'DPkg::Post-Invoke { "rm -f /var/cache/apt/archives/*.deb '
+        '/var/cache/apt/archives/partial/*.deb /var/cache/apt/*.bin || true"; };\n'
+        'APT::Update::Post-Invoke { "rm -f /var/cache/apt/archives/*.deb '
+        '/var/cache/apt/archives/partial/*.deb /var/cache/apt/*.bin || true"; };\n'
+        'Dir::Cache::pkgcache "";\nDir::Cache::srcpkgcache "";\n'),
+    "etc/apt/apt.conf.d/docker-no-languages": 'Acquire::Languages "none";\n',
+    "etc/dpkg/dpkg.cfg.d/docker-slim": (
+        "path-exclude /usr/share/doc/*\npath-include /usr/share/doc/*/copyright\n"
+        "path-exclude /usr/share/man/*\npath-exclude /usr/share/info/*\n"
+        "path-exclude /usr/share/locale/*\npath-include /usr/share/locale/locale.alias\n"),
+}
+#: what debootstrap already installed that the dpkg excludes above would have left out
+BASE_IMAGE_PRUNE = ("var/cache/apt/archives/*.deb", "var/cache/apt/*.bin", "var/lib/apt/lists/*_*",
+                    "usr/share/man/*", "usr/share/info/*", "usr/share/locale/*/LC_MESSAGES")
+
 #: Dockerfile instructions ``docker import`` applies: an imported tarball has no config at all
 IMPORT_CHANGES = (
     "ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
