@@ -105,9 +105,17 @@ def _cuda_aware() -> bool:
     return bool(query and query())
 
 
-def _reduction(dtype: torch.dtype, op) -> tuple[MPI.Op, torch.dtype]:
-    """The MPI op for ``op`` on ``dtype`` and the dtype to compute in."""
+_reductions: dict = {}
+
+
+def _reduction(dtype: torch.dtype, op) -> tuple[MPI.Op, torch.dtype, bool]:
+    """The MPI op for ``op`` on ``dtype``, the dtype to compute in, and whether to average."""
     kind = getattr(op, "op", op)  # a ReduceOp wraps its RedOpType; the enum may come bare
+    key = (dtype, kind.value)  # an int: hashing and comparing pybind enums is slow
+    try:
+        return _reductions[key]
+    except KeyError:
+        pass
     if dtype == torch.bool:
         table, compute = _LOGICAL, dtype
     elif dtype.is_floating_point or dtype.is_complex:
@@ -123,7 +131,8 @@ def _reduction(dtype: torch.dtype, op) -> tuple[MPI.Op, torch.dtype]:
             "use SUM/PRODUCT/MIN/MAX, AVG only for floating dtypes, BAND/BOR/BXOR only for "
             "integer and bool dtypes, no MIN/MAX for complex; cast the tensor if needed",
         )
-    return table[kind], compute
+    result = _reductions[key] = (table[kind], compute, kind == _RedOp.AVG)
+    return result
 
 
 def _addressable(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -167,7 +176,12 @@ def _unflat(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
         offset += n
 
 
-def _done(result) -> dist.Work:
+def _finished(result, opts) -> dist.Work | None:
+    """A completed Work, or none when the caller asked for a synchronous op: torch's Python
+    API then skips ``wait`` (its path for backends that sync inside the call), which saves
+    building a future per op."""
+    if opts is not None and not opts.asyncOp:
+        return None
     fut = torch.futures.Future()
     fut.set_result(result)
     return _create_work_from_future(fut)
@@ -176,10 +190,10 @@ def _done(result) -> dist.Work:
 class _RequestWork(dist._Work):
     """A pending point-to-point request; ``wait`` polls it against the group's timeout."""
 
-    def __init__(self, pg: MPIProcessGroup, request: MPI.Request, what: str,
+    def __init__(self, pg: MPIProcessGroup, request: MPI.Request, op: str, peer: int | None,
                  buf: torch.Tensor, tensor: torch.Tensor | None):
         super().__init__()
-        self._pg, self._request, self._what = pg, request, what
+        self._pg, self._request, self._op, self._peer = pg, request, op, peer
         # buf must outlive the request; tensor (a receive's target) gets buf's data at the end
         self._buf, self._tensor = buf, tensor
         self._status = MPI.Status()
@@ -187,7 +201,7 @@ class _RequestWork(dist._Work):
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         if not self._finished:
-            self._pg._wait(self._request, self._what, self._status)
+            self._pg._wait(self._request, self._op, self._peer, self._status)
             if self._tensor is not None:
                 _write_back(self._tensor, self._buf)
             self._finished = True
@@ -255,8 +269,12 @@ class MPIProcessGroup(dist.ProcessGroup):
 
     # -- waiting ---------------------------------------------------------------------------
 
-    def _wait(self, request: MPI.Request, what: str, status: MPI.Status | None = None) -> None:
-        """Poll ``request`` until done; raise LaunchError once the group's timeout passes."""
+    def _wait(self, request: MPI.Request, op: str, peer: int | None = None,
+              status: MPI.Status | None = None) -> None:
+        """Poll ``request`` until done; raise LaunchError once the group's timeout passes.
+
+        ``op`` and ``peer`` (a root or point-to-point partner) name the op in the error.
+        """
         lock = self._lock
         with lock:
             if request.Test(status):
@@ -268,206 +286,202 @@ class MPIProcessGroup(dist.ProcessGroup):
                     return
             if time.monotonic() > deadline:
                 _abort_at_exit()
+                what = op if peer is None else f"{op} {peer}"
                 raise LaunchError(
-                    f"{what} did not complete within {timedelta(seconds=self._timeout_s)} "
-                    f"(rank {self._rank_} of a group of {self._size_})",
+                    f"{what} on a group of {self._size_} ranks did not complete within "
+                    f"{timedelta(seconds=self._timeout_s)} (this is rank {self._rank_})",
                     "a peer stopped early, is stuck, or the ranks called collectives in a "
                     "different order; check the other ranks' logs, or raise the timeout "
                     "passed to init_process_group/new_group",
                 )
 
-    def _run(self, what: str, start, *args) -> None:
+    def _run(self, op: str, peer: int | None, start, *args) -> None:
         with self._lock:
             request = start(*args)
-        self._wait(request, what)
-
-    def _group_desc(self) -> str:
-        return f"all {self._size_} ranks"
+        self._wait(request, op, peer)
 
     # -- reductions ------------------------------------------------------------------------
 
-    def _allreduce_one(self, t: torch.Tensor, op) -> None:
-        mpi_op, compute = _reduction(t.dtype, op)
-        buf = _addressable(t, compute)
-        if buf.numel():
-            self._run(f"all_reduce over {self._group_desc()}", self._comm.Iallreduce,
-                      MPI.IN_PLACE, _spec(buf), mpi_op)
-        if op == _RedOp.AVG:
-            with torch.no_grad():
-                buf.div_(self._size_)
-        _write_back(t, buf)
+    def _average(self, buf: torch.Tensor) -> None:
+        with torch.no_grad():  # buf may be a leaf that requires grad (a DDP parameter)
+            buf.div_(self._size_)
 
-    def allreduce(self, tensors, opts=None) -> dist.Work:
+    def allreduce(self, tensors, opts=None) -> dist.Work | None:
         if isinstance(tensors, torch.Tensor):
             tensors = [tensors]
-        op = opts.reduceOp if opts is not None else _RedOp.SUM
+        op = _RedOp.SUM if opts is None else opts.reduceOp
         for t in tensors:
-            self._allreduce_one(t, op)
-        return _done(tensors)
+            mpi_op, compute, average = _reduction(t.dtype, op)
+            buf = _addressable(t, compute)
+            if buf.numel():
+                self._run("all_reduce", None, self._comm.Iallreduce, MPI.IN_PLACE, _spec(buf),
+                          mpi_op)
+            if average:
+                self._average(buf)
+            _write_back(t, buf)
+        return _finished(tensors, opts)
 
-    def allreduce_coalesced(self, tensors, opts=None) -> dist.Work:
+    def allreduce_coalesced(self, tensors, opts=None) -> dist.Work | None:
         return self.allreduce(tensors, opts)
 
-    def reduce(self, tensors, opts) -> dist.Work:
+    def reduce(self, tensors, opts) -> dist.Work | None:
         root = opts.rootRank
+        at_root = self._rank_ == root
         for t in tensors:
-            mpi_op, compute = _reduction(t.dtype, opts.reduceOp)
+            mpi_op, compute, average = _reduction(t.dtype, opts.reduceOp)
             buf = _addressable(t, compute)
-            send = MPI.IN_PLACE if self._rank_ == root else _spec(buf)
-            self._run(f"reduce to rank {root}", self._comm.Ireduce, send, _spec(buf),
-                      mpi_op, root)
-            if self._rank_ == root:
-                if opts.reduceOp == _RedOp.AVG:
-                    with torch.no_grad():
-                        buf.div_(self._size_)
+            if buf.numel():
+                self._run("reduce to root rank", root, self._comm.Ireduce,
+                          MPI.IN_PLACE if at_root else _spec(buf), _spec(buf), mpi_op, root)
+            if at_root:
+                if average:
+                    self._average(buf)
                 _write_back(t, buf)
-        return _done(tensors)
+        return _finished(tensors, opts)
 
-    def _reduce_scatter_flat(self, output: torch.Tensor, flat: torch.Tensor, op) -> None:
+    def _reduce_scatter(self, output: torch.Tensor, flat: torch.Tensor, op) -> None:
         """Reduce ``flat`` (``size`` blocks, contiguous, compute dtype) into ``output``."""
-        mpi_op, compute = _reduction(output.dtype, op)
+        mpi_op, compute, average = _reduction(output.dtype, op)
         out = _addressable(output, compute)
         if out.numel():
-            self._run(f"reduce_scatter over {self._group_desc()}",
-                      self._comm.Ireduce_scatter_block, _spec(flat, self._size_), _spec(out),
-                      mpi_op)
-        if op == _RedOp.AVG:
-            with torch.no_grad():
-                out.div_(self._size_)
+            self._run("reduce_scatter", None, self._comm.Ireduce_scatter_block,
+                      _spec(flat, self._size_), _spec(out), mpi_op)
+        if average:
+            self._average(out)
         _write_back(output, out)
 
-    def reduce_scatter(self, outputs, input_lists, opts) -> dist.Work:
+    def reduce_scatter(self, outputs, input_lists, opts) -> dist.Work | None:
         for output, inputs in zip(outputs, input_lists, strict=True):
-            _, compute = _reduction(output.dtype, opts.reduceOp)
-            self._reduce_scatter_flat(output, _flat(inputs, compute), opts.reduceOp)
-        return _done(outputs)
+            _, compute, _ = _reduction(output.dtype, opts.reduceOp)
+            self._reduce_scatter(output, _flat(inputs, compute), opts.reduceOp)
+        return _finished(outputs, opts)
 
-    def reduce_scatter_single(self, output, input, opts) -> dist.Work:  # noqa: A002
-        _, compute = _reduction(output.dtype, opts.reduceOp)
-        self._reduce_scatter_flat(output, _addressable(input, compute), opts.reduceOp)
-        return _done([output])
+    def reduce_scatter_single(self, output, input, opts) -> dist.Work | None:  # noqa: A002
+        _, compute, _ = _reduction(output.dtype, opts.reduceOp)
+        self._reduce_scatter(output, _addressable(input, compute), opts.reduceOp)
+        return _finished([output], opts)
 
     _reduce_scatter_base = reduce_scatter_single
 
-    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts) -> dist.Work:
+    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts) -> dist.Work | None:
         for output, input_ in zip(outputs, inputs, strict=True):
-            self.reduce_scatter_single(output, input_, opts)
-        return _done(outputs)
+            _, compute, _ = _reduction(output.dtype, opts.reduceOp)
+            self._reduce_scatter(output, _addressable(input_, compute), opts.reduceOp)
+        return _finished(outputs, opts)
 
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
 
     # -- data movement ---------------------------------------------------------------------
 
-    def broadcast(self, tensors, opts) -> dist.Work:
+    def broadcast(self, tensors, opts) -> dist.Work | None:
         if isinstance(tensors, torch.Tensor):
             tensors = [tensors]
         root = opts.rootRank
         for t in tensors:
             buf = _addressable(t)
             if buf.numel():
-                self._run(f"broadcast from rank {root}", self._comm.Ibcast, _spec(buf), root)
+                self._run("broadcast from root rank", root, self._comm.Ibcast, _spec(buf), root)
             if self._rank_ != root:
                 _write_back(t, buf)
-        return _done(tensors)
+        return _finished(tensors, opts)
 
-    def allgather(self, output_lists, inputs, opts=None) -> dist.Work:
+    def allgather(self, output_lists, inputs, opts=None) -> dist.Work | None:
         for outputs, t in zip(output_lists, inputs, strict=True):
             buf = _addressable(t)
             flat = torch.empty(buf.numel() * self._size_, dtype=buf.dtype)
             if buf.numel():
-                self._run(f"all_gather over {self._group_desc()}", self._comm.Iallgather,
-                          _spec(buf), _spec(flat, self._size_))
+                self._run("all_gather", None, self._comm.Iallgather, _spec(buf),
+                          _spec(flat, self._size_))
             _unflat(flat, outputs)
-        return _done(output_lists)
+        return _finished(output_lists, opts)
 
-    def all_gather_single(self, output, input, opts=None) -> dist.Work:  # noqa: A002
-        out = _addressable(output)
-        buf = _addressable(input)
+    def _allgather_into(self, output: torch.Tensor, input_: torch.Tensor) -> None:
+        out, buf = _addressable(output), _addressable(input_)
         if buf.numel():
             # FSDP gathers in place: the input is this rank's block of the output
             in_place = buf.data_ptr() == out.data_ptr() + self._rank_ * buf.nbytes
-            self._run(f"all_gather_into_tensor over {self._group_desc()}",
-                      self._comm.Iallgather, MPI.IN_PLACE if in_place else _spec(buf),
-                      _spec(out, self._size_))
+            self._run("all_gather_into_tensor", None, self._comm.Iallgather,
+                      MPI.IN_PLACE if in_place else _spec(buf), _spec(out, self._size_))
         _write_back(output, out)
-        return _done([output])
+
+    def all_gather_single(self, output, input, opts=None) -> dist.Work | None:  # noqa: A002
+        self._allgather_into(output, input)
+        return _finished([output], opts)
 
     _allgather_base = all_gather_single
 
-    def allgather_coalesced(self, output_lists, inputs, opts=None) -> dist.Work:
-        for outputs, t in zip(output_lists, inputs, strict=True):
-            self.allgather([outputs], [t], opts)
-        return _done(output_lists)
+    def allgather_coalesced(self, output_lists, inputs, opts=None) -> dist.Work | None:
+        return self.allgather(output_lists, inputs, opts)
 
-    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None) -> dist.Work:
-        for output, t in zip(outputs, inputs, strict=True):
-            self.all_gather_single(output, t, opts)
-        return _done(outputs)
+    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None) -> dist.Work | None:
+        for output, input_ in zip(outputs, inputs, strict=True):
+            self._allgather_into(output, input_)
+        return _finished(outputs, opts)
 
     all_gather_single_coalesced = allgather_into_tensor_coalesced
 
-    def gather(self, output_lists, inputs, opts) -> dist.Work:
+    def gather(self, output_lists, inputs, opts) -> dist.Work | None:
         root = opts.rootRank
-        buf = _addressable(inputs[0])
         at_root = self._rank_ == root
+        buf = _addressable(inputs[0])
         flat = torch.empty(buf.numel() * self._size_ if at_root else 0, dtype=buf.dtype)
         if buf.numel():
-            self._run(f"gather to rank {root}", self._comm.Igather, _spec(buf),
+            self._run("gather to root rank", root, self._comm.Igather, _spec(buf),
                       _spec(flat, self._size_) if at_root else None, root)
         if at_root:
             _unflat(flat, output_lists[0])
-        return _done(output_lists)
+        return _finished(output_lists, opts)
 
-    def scatter(self, outputs, input_lists, opts) -> dist.Work:
+    def scatter(self, outputs, input_lists, opts) -> dist.Work | None:
         root = opts.rootRank
         out = _addressable(outputs[0])
         flat = _flat(input_lists[0]) if self._rank_ == root else None
         if out.numel():
-            self._run(f"scatter from rank {root}", self._comm.Iscatter,
-                      _spec(flat, self._size_) if flat is not None else None, _spec(out), root)
+            self._run("scatter from root rank", root, self._comm.Iscatter,
+                      None if flat is None else _spec(flat, self._size_), _spec(out), root)
         _write_back(outputs[0], out)
-        return _done(outputs)
+        return _finished(outputs, opts)
 
-    def _alltoallv(self, out: torch.Tensor, send_counts: list[int], inp: torch.Tensor,
-                   recv_counts: list[int]) -> None:
+    def _alltoallv(self, out: torch.Tensor, recv_counts: list[int], inp: torch.Tensor,
+                   send_counts: list[int]) -> None:
         send_displs = [0] * self._size_
         recv_displs = [0] * self._size_
         for i in range(1, self._size_):
             send_displs[i] = send_displs[i - 1] + send_counts[i - 1]
             recv_displs[i] = recv_displs[i - 1] + recv_counts[i - 1]
         send, recv = _spec(inp), _spec(out)
-        self._run(f"all_to_all over {self._group_desc()}", self._comm.Ialltoallv,
+        self._run("all_to_all", None, self._comm.Ialltoallv,
                   [send[0], (send_counts, send_displs), send[2]],
                   [recv[0], (recv_counts, recv_displs), recv[2]])
 
-    def alltoall(self, outputs, inputs, opts=None) -> dist.Work:
+    def alltoall(self, outputs, inputs, opts=None) -> dist.Work | None:
         flat_out = torch.empty(sum(t.numel() for t in outputs), dtype=outputs[0].dtype)
         self._alltoallv(flat_out, [t.numel() for t in outputs], _flat(inputs),
                         [t.numel() for t in inputs])
         _unflat(flat_out, outputs)
-        return _done(outputs)
+        return _finished(outputs, opts)
 
     def all_to_all_single(self, output, input, output_split_sizes,  # noqa: A002
-                          input_split_sizes, opts=None) -> dist.Work:
+                          input_split_sizes, opts=None) -> dist.Work | None:
         out, inp = _addressable(output), _addressable(input)
         n = self._size_
 
         def counts(t: torch.Tensor, splits) -> list[int]:
+            """Elements per rank: splits count rows (dim 0); none means equal shares."""
             if not splits:
                 return [t.numel() // n] * n
             row = t[0].numel() if t.dim() and t.shape[0] else 0
             return [s * row for s in splits]
 
-        recv_counts, send_counts = counts(out, output_split_sizes), counts(inp, input_split_sizes)
-        self._alltoallv(out, recv_counts, inp, send_counts)
+        self._alltoallv(out, counts(out, output_split_sizes), inp, counts(inp, input_split_sizes))
         _write_back(output, out)
-        return _done([output])
+        return _finished([output], opts)
 
     alltoall_base = all_to_all_single
 
-    def barrier(self, opts=None) -> dist.Work:
-        self._run(f"barrier over {self._group_desc()}", self._comm.Ibarrier)
-        return _done([])
+    def barrier(self, opts=None) -> dist.Work | None:
+        self._run("barrier", None, self._comm.Ibarrier)
+        return _finished([], opts)
 
     # -- point to point --------------------------------------------------------------------
 
@@ -475,19 +489,21 @@ class MPIProcessGroup(dist.ProcessGroup):
         buf = _addressable(tensors[0])
         with self._lock:
             request = self._comm.Isend(_spec(buf), dst, tag)
-        return _RequestWork(self, request, f"send to rank {dst} (tag {tag})", buf, None)
+        return _RequestWork(self, request, "send to rank", dst, buf, None)
 
     def recv(self, tensors, src: int, tag: int = 0) -> dist.Work:
-        return self._irecv(tensors[0], src, tag, f"recv from rank {src} (tag {tag})")
+        return self._irecv(tensors[0], src, tag)
 
     def recv_anysource(self, tensors, tag: int = 0) -> dist.Work:
-        return self._irecv(tensors[0], MPI.ANY_SOURCE, tag, f"recv from any rank (tag {tag})")
+        return self._irecv(tensors[0], MPI.ANY_SOURCE, tag)
 
-    def _irecv(self, t: torch.Tensor, src: int, tag: int, what: str) -> dist.Work:
+    def _irecv(self, t: torch.Tensor, src: int, tag: int) -> dist.Work:
         buf = _addressable(t)
         with self._lock:
             request = self._comm.Irecv(_spec(buf), src, tag)
-        return _RequestWork(self, request, what, buf, t)
+        if src == MPI.ANY_SOURCE:
+            return _RequestWork(self, request, "recv from any rank", None, buf, t)
+        return _RequestWork(self, request, "recv from rank", src, buf, t)
 
 
 def _check_world(rank: int, size: int, source: str) -> str | None:

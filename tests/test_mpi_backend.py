@@ -57,7 +57,7 @@ def test_contiguous_cpu_tensors_reach_mpi_without_a_copy():
 
 def test_half_precision_reductions_are_computed_in_float32():
     for dtype in (torch.float16, torch.bfloat16):
-        _, compute = mpi_backend._reduction(dtype, dist.ReduceOp.SUM)
+        _, compute, _ = mpi_backend._reduction(dtype, dist.ReduceOp.SUM)
         assert compute == torch.float32
         assert mpi_backend._addressable(torch.ones(3, dtype=dtype), compute).dtype == torch.float32
 
@@ -150,5 +150,5 @@ def test_collective_with_a_missing_rank_times_out_and_aborts_the_job():
     """The last rank sleeps 60 s; the group timeout is 2 s, so the job must end well before."""
     result = run_worker(3, "timeout", timeout=45)
     assert result.returncode != 0, result.output
-    assert "barrier over all 3 ranks did not complete within 0:00:02" in result.stderr
+    assert "barrier on a group of 3 ranks did not complete within 0:00:02" in result.stderr
     assert "HINT: " in result.stderr
