@@ -97,6 +97,10 @@ class TrainConfig:
     log_every: int = 10
     """log (and record metrics) every N optimizer steps"""
 
+    threads: int = 0
+    """torch threads per rank on CPU; 0: the cores this process may use divided by the ranks on
+    its node (more threads than free cores make every step far slower on a busy machine)"""
+
     timeout_s: float = 300.0
     """seconds a collective may wait before the process group gives up"""
 
@@ -115,7 +119,7 @@ class TrainConfig:
                 raise LaunchError(f"{flag} must be at least 1, got {value}",
                                   hint=f"pass {flag} 1 or more")
         for flag, value in (("--checkpoint-every", self.checkpoint_every),
-                            ("--max-steps", self.max_steps)):
+                            ("--max-steps", self.max_steps), ("--threads", self.threads)):
             if value < 0:
                 raise LaunchError(f"{flag} must be 0 or more, got {value}",
                                   hint=f"pass {flag} 0 to turn it off")

@@ -124,7 +124,7 @@ class Trainer:
     def build(cls, config: TrainConfig, ctx: DistContext, watch: PreemptionWatch) -> Trainer:
         env, device = ctx.env, ctx.device
         log = RankLog(env.is_main, config.metrics_path)
-        _use_cores_fairly(env, device)
+        _use_cores_fairly(config.threads, env, device)
         micro_batch = config.per_rank_batch(env.world_size)
         if config.precision == "fp16" and device.type != "cuda":
             raise LaunchError("--precision fp16 needs a GPU (GradScaler); this rank runs on CPU",
@@ -228,14 +228,16 @@ class Trainer:
             self.sampler.set_epoch(p.epoch)
             batches = self._epoch_batches()
             while p.batch < len(batches):
+                t0 = time.perf_counter()
                 if self.watch.agreed(self.device):
                     self._preempt()
                 if config.max_steps and p.step >= config.max_steps:
                     self._stop_early()
                     return
                 loss, times, seconds = self._step(batches[p.batch])
+                # throughput counts the step-boundary agreement too: it is a cost of every step
                 self.interval[0] += 1
-                self.interval[1] += seconds
+                self.interval[1] += time.perf_counter() - t0
                 p.step += 1
                 p.batch += 1
                 if p.step % config.log_every == 0 or p.batch == len(batches):
@@ -474,11 +476,14 @@ def _allreduce_gradients(module: nn.Module) -> None:
         offset += g.numel()
 
 
-def _use_cores_fairly(env: JobEnv, device: torch.device) -> None:
+def _use_cores_fairly(threads: int, env: JobEnv, device: torch.device) -> None:
     # ranks sharing a node would otherwise each start one thread per core and oversubscribe it
-    if device.type == "cpu":
+    if device.type != "cpu":
+        return
+    if threads == 0:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        torch.set_num_threads(max(1, math.floor((cores or 1) / env.local_world_size)))
+        threads = max(1, math.floor((cores or 1) / env.local_world_size))
+    torch.set_num_threads(threads)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,128 @@
+"""Training throughput of ``python -m launcher.train`` on this machine's CPUs, 1 vs 2 ranks.
+
+    .venv/bin/python benchmarks/train_scaling.py --json benchmarks/results/train_scaling.json
+
+Each measurement is a real ``mpiexec -n R python -m launcher.train`` run on the synthetic
+dataset; its JSON-lines metrics give the numbers (warm-up intervals dropped, median of the
+rest). Each rank runs one torch thread by default (``--threads 1``): 1 rank on one core against
+2 ranks on two, the classic one-process-per-core DDP comparison; a 2-thread single rank on a
+shared 2-core machine spends most of its time in OpenMP barriers and would flatter DDP.
+
+- Strong scaling (MLP, DDP): the same global batch B on 1 and 2 ranks; speedup = rate2 / rate1,
+  efficiency = speedup / 2; the crossover is the smallest B at which two ranks beat one.
+- The synchronous-SGD split (``--sync manual``, 2 ranks): T_comp (step time without the
+  all-reduce) and T_sync (the all-reduce, timed exactly) per step.
+- Weak scaling (CNN, DDP): the default 32 samples per rank; efficiency = rate2 / (2 x rate1),
+  goal >= 0.8.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MPIEXEC = Path(sys.executable).parent / "mpiexec"
+WARMUP_INTERVALS = 2
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--backends", default="gloo,mpi", help="comma-separated backends")
+    parser.add_argument("--batches", default="16,64,256,1024",
+                        help="global batch sizes for strong scaling")
+    parser.add_argument("--steps", type=int, default=60, help="optimizer steps per run")
+    parser.add_argument("--log-every", type=int, default=5, help="steps per metrics interval")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads per rank (0: cores / ranks, launcher.train's default)")
+    return parser.parse_args()
+
+
+def measure(ranks: int, backend: str, model: str, batch: int, sync: str, args) -> dict:
+    """One training run; its median samples/s and mean step times (seconds)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        command = [str(MPIEXEC), "-n", str(ranks), sys.executable, "-m", "launcher.train",
+                   "--dataset", "synthetic", "--model", model, "--global-batch-size", str(batch),
+                   "--backend", backend, "--sync", sync, "--epochs", "1000",
+                   "--max-steps", str(args.steps), "--log-every", str(args.log_every),
+                   "--checkpoint-every", "0", "--threads", str(args.threads),
+                   "--run-dir", tmp, "--data-dir", tmp]
+        result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+        if result.returncode != 0:
+            sys.exit(f"failed: {' '.join(command)}\n{result.stderr}")
+        lines = (Path(tmp) / "metrics.jsonl").read_text().splitlines()
+    records = [r for r in map(json.loads, lines) if r["event"] == "step"][WARMUP_INTERVALS:]
+    return {
+        "ranks": ranks, "backend": backend, "model": model, "global_batch": batch, "sync": sync,
+        "samples_per_s": statistics.median(r["samples_per_s"] for r in records),
+        "t_step": statistics.mean(r["t_step"] for r in records),
+        "t_comm": statistics.mean(r["t_comm"] for r in records),
+        "t_compute": statistics.mean(r["t_compute"] for r in records),
+    }
+
+
+def main() -> None:
+    args = parse_args()
+    backends = args.backends.split(",")
+    batches = [int(b) for b in args.batches.split(",")]
+    runs: list[dict] = []
+
+    def run(ranks: int, backend: str, model: str, batch: int, sync: str = "ddp") -> dict:
+        found = measure(ranks, backend, model, batch, sync, args)
+        runs.append(found)
+        print(f"  measured {ranks} rank(s) {backend} {model} B={batch} {sync}: "
+              f"{found['samples_per_s']:.0f} samples/s", flush=True)
+        return found
+
+    strong, split, weak = [], [], []
+    for batch in batches:
+        one = run(1, "gloo", "mlp", batch)  # one rank never communicates: backend irrelevant
+        for backend in backends:
+            two = run(2, backend, "mlp", batch)
+            manual = run(2, backend, "mlp", batch, "manual")
+            speedup = two["samples_per_s"] / one["samples_per_s"]
+            strong.append({"global_batch": batch, "backend": backend,
+                           "rate_1": one["samples_per_s"], "rate_2": two["samples_per_s"],
+                           "speedup": speedup, "efficiency": speedup / 2})
+            split.append({"global_batch": batch, "backend": backend,
+                          "t_comp_ms": 1e3 * manual["t_compute"],
+                          "t_sync_ms": 1e3 * manual["t_comm"],
+                          "rate_manual_2": manual["samples_per_s"]})
+    cnn_one = run(1, "gloo", "cnn", 32)
+    for backend in backends:
+        cnn_two = run(2, backend, "cnn", 64)
+        weak.append({"backend": backend, "per_rank_batch": 32,
+                     "rate_1": cnn_one["samples_per_s"], "rate_2": cnn_two["samples_per_s"],
+                     "efficiency": cnn_two["samples_per_s"] / (2 * cnn_one["samples_per_s"])})
+
+    crossover = {b: next((s["global_batch"] for s in strong
+                          if s["backend"] == b and s["speedup"] > 1), None) for b in backends}
+    print("\nStrong scaling, MLP, DDP (same global batch on 1 and 2 ranks)")
+    print(f"{'batch':>6} {'backend':>8} {'1 rank/s':>10} {'2 ranks/s':>10} {'speedup':>8} "
+          f"{'eff':>6} {'T_comp ms':>10} {'T_sync ms':>10}")
+    for s, t in zip(strong, split, strict=True):
+        print(f"{s['global_batch']:>6} {s['backend']:>8} {s['rate_1']:>10.0f} {s['rate_2']:>10.0f} "
+              f"{s['speedup']:>8.2f} {s['efficiency']:>6.2f} {t['t_comp_ms']:>10.2f} "
+              f"{t['t_sync_ms']:>10.2f}")
+    for backend, batch in crossover.items():
+        print(f"two ranks beat one from global batch {batch} on ({backend})"
+              if batch else f"two ranks never beat one in {batches} ({backend})")
+    print("\nWeak scaling, CNN, DDP, 32 samples per rank (goal: efficiency >= 0.8)")
+    for w in weak:
+        print(f"{w['backend']:>8}: 1 rank {w['rate_1']:.0f}/s, 2 ranks {w['rate_2']:.0f}/s, "
+              f"efficiency {w['efficiency']:.2f}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"strong": strong, "sync_split": split, "weak": weak,
+                                         "crossover_batch": crossover, "runs": runs,
+                                         "steps": args.steps}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
