@@ -163,8 +163,8 @@ def stream_build(client, out=sys.stdout, **kwargs) -> str:
 
 def build_image(*, flavor: str = "cpu", name: str = ic.DEFAULT_NAME, base_image: str = "",
                 wheelhouse: str = ic.DEFAULT_WHEELHOUSE, ca_bundle: str = "",
-                keep_ca: bool = False, build_args: str = "", target: str = "runtime",
-                nocache: bool = False, out=sys.stdout) -> str:
+                keep_ca: bool = False, build_args: str = "", nocache: bool = False,
+                out=sys.stdout) -> str:
     """Build docker/Dockerfile as NAME:FLAVOR; returns the tag (the work behind `invoke build`)."""
     tag = ic.image_tag(name, flavor)
     wheelhouse_path = ic.ROOT / wheelhouse if wheelhouse else None
@@ -179,11 +179,11 @@ def build_image(*, flavor: str = "cpu", name: str = ic.DEFAULT_NAME, base_image:
         torch_index_url=ic.torch_index_for(flavor, has_torch),
         source_digest=ic.source_digest(), keep_ca=keep_ca,
         extra=ic.parse_build_args(build_args))
-    print(f"building {tag} (target {target}) with " + " ".join(
+    print(f"building {tag} with " + " ".join(
         f"{k}={v}" for k, v in args.items()), file=out, flush=True)
     client = docker_client()
     stream_build(client, out=out, path=str(ic.ROOT), dockerfile="docker/Dockerfile", tag=tag,
-                 buildargs=args, target=target, nocache=nocache)
+                 buildargs=args, target="runtime", nocache=nocache)
     return tag
 
 
@@ -197,18 +197,18 @@ def build_image(*, flavor: str = "cpu", name: str = ic.DEFAULT_NAME, base_image:
     "ca_bundle": "full CA bundle pip trusts during the build, for TLS-intercepting proxies "
                  "(default: $PIP_CERT); not kept in the image unless --keep-ca",
     "keep_ca": "keep the CA bundle in the image for pip in its venv (/opt/ddp/ca, venv pip.conf)",
-    "build_args": "more build arguments, NAME=VALUE,NAME=VALUE (e.g. TORCH_VERSION=2.13.0)",
-    "target": "Dockerfile stage to build: runtime (default) or torch-source (hours)",
+    "build_args": "more build arguments, NAME=VALUE,NAME=VALUE (e.g. TORCH_FROM_SOURCE=1: "
+                  "PyTorch compiled with USE_MPI=1, hours)",
     "nocache": "ignore the build cache",
 })
 def build(c, flavor="cpu", name=ic.DEFAULT_NAME, base_image="",
           wheelhouse=ic.DEFAULT_WHEELHOUSE, ca_bundle="", keep_ca=False, build_args="",
-          target="runtime", nocache=False):
+          nocache=False):
     """Build the image for one flavor from docker/Dockerfile (progress is streamed)."""
     with user_errors():
         build_image(flavor=flavor, name=name, base_image=base_image, wheelhouse=wheelhouse,
                     ca_bundle=ca_bundle or os.environ.get("PIP_CERT", ""), keep_ca=keep_ca,
-                    build_args=build_args, target=target, nocache=nocache)
+                    build_args=build_args, nocache=nocache)
 
 
 # ---------------------------------------------------------------------------------------- push
