@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -117,11 +118,17 @@ def main() -> None:
     for w in weak:
         print(f"{w['backend']:>8}: 1 rank {w['rate_1']:.0f}/s, 2 ranks {w['rate_2']:.0f}/s, "
               f"efficiency {w['efficiency']:.2f}")
+    # other work on the machine moves these numbers more than anything in the code does
+    load = os.getloadavg()
+    print(f"\nload average after the runs: {load[0]:.1f} {load[1]:.1f} {load[2]:.1f} "
+          f"on {os.cpu_count()} cores")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"strong": strong, "sync_split": split, "weak": weak,
                                          "crossover_batch": crossover, "runs": runs,
-                                         "steps": args.steps}, indent=2) + "\n")
+                                         "steps": args.steps, "threads": args.threads,
+                                         "cpus": os.cpu_count(), "load_average": load},
+                                        indent=2) + "\n")
 
 
 if __name__ == "__main__":
