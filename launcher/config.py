@@ -28,9 +28,11 @@ class TrainConfig:
     """Everything ``python -m launcher.train`` can be told; the defaults are a short useful run."""
 
     model: str = "mlp"
-    """mlp (classifier), autoencoder (MLP auto-encoder), cnn (small CNN with batch norm, which
-    becomes SyncBatchNorm when distributed), or package.module:factory for your own model
-    (factory() must return an nn.Module giving logits [B, 10] for images [B, 1, 28, 28])"""
+    """mlp (classifier), autoencoder (MLP auto-encoder; try --lr 1), cnn (small CNN with batch
+    norm: SyncBatchNorm across GPUs; on CPU, where PyTorch has no SyncBatchNorm, each rank
+    normalises its own batch and the running statistics follow rank 0), or
+    package.module:factory for your own model (factory() must return an nn.Module giving logits
+    [B, 10] for images [B, 1, 28, 28])"""
 
     dataset: str = "digits"
     """digits: scikit-learn's 1797 8x8 digits resized to 28x28, fixed 80/20 split (no download);
@@ -84,15 +86,16 @@ class TrainConfig:
     """how many of the newest checkpoints to keep"""
 
     resume: str = "auto"
-    """auto: continue from the newest valid checkpoint in RUN_DIR/checkpoints if there is one;
-    none: start from scratch (old checkpoints are then replaced); or the path of a checkpoint"""
+    """auto: continue from the newest valid checkpoint in RUN_DIR/checkpoints if there is one
+    (damaged ones are skipped with a warning); none: start from scratch, refused when
+    RUN_DIR/checkpoints holds checkpoints already (two runs must not mix); or a checkpoint path"""
 
     max_steps: int = 0
     """stop (with a checkpoint) after this many optimizer steps in total, 0 for no limit; the
     learning-rate schedule still spans --epochs, so a later resume continues it exactly"""
 
     metrics: Path | None = None
-    """JSON-lines metrics file written by rank 0 (default RUN_DIR/metrics.jsonl)"""
+    """JSON-lines metrics file, appended to by rank 0; None means RUN_DIR/metrics.jsonl"""
 
     log_every: int = 10
     """log (and record metrics) every N optimizer steps"""

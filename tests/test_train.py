@@ -199,7 +199,7 @@ def test_sync_modes_and_world_sizes_agree(tmp_path, data_dir):
 
     two, one = weights("ddp"), weights("single")
     worst = max((two[k] - one[k]).abs().max().item() for k in two)
-    assert worst < 1e-4, worst  # the tolerance stated in docs/training.md
+    assert worst < 1e-5, worst  # the tolerance stated in docs/training.md (measured 9e-8)
 
 
 @pytest.fixture
