@@ -267,6 +267,11 @@ class MPIProcessGroup(dist.ProcessGroup):
     def __repr__(self) -> str:
         return f"MPIProcessGroup(rank={self._rank_}, size={self._size_})"
 
+    def shutdown(self) -> None:
+        """Free the communicator (destroy_process_group calls this on every rank)."""
+        if self._comm != MPI.COMM_NULL:
+            self._comm.Free()
+
     # -- waiting ---------------------------------------------------------------------------
 
     def _wait(self, request: MPI.Request, op: str, peer: int | None = None,

@@ -11,6 +11,7 @@ import datetime
 import hashlib
 import json
 import sys
+import threading
 import time
 import zlib
 
@@ -340,6 +341,33 @@ def scenario_subgroup() -> None:
     dist.destroy_process_group()
 
 
+def scenario_threads() -> None:
+    """Two threads per rank exchange messages with the next rank at once (distinct tags)."""
+    init_default("mpi4py")
+    nxt, prev = (RANK + 1) % SIZE, (RANK - 1) % SIZE
+    errors = []
+
+    def exchange(tag: int) -> None:
+        try:
+            for i in range(200):
+                out = torch.empty(64, dtype=torch.int64)
+                works = [dist.irecv(out, src=prev, tag=tag),
+                         dist.isend(torch.full((64,), nxt * 1000 + i + tag), dst=nxt, tag=tag)]
+                for w in works:
+                    w.wait()
+                assert torch.equal(out, torch.full((64,), RANK * 1000 + i + tag)), (tag, i)
+        except Exception as error:  # noqa: BLE001 - reported through the JSON line
+            errors.append(repr(error))
+
+    threads = [threading.Thread(target=exchange, args=(tag,)) for tag in (1, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    emit(errors=errors, thread_level=MPI.Query_thread())
+    dist.destroy_process_group()
+
+
 def scenario_bad_world_size() -> None:
     """init_process_group with one rank too many: every rank must say so and exit non-zero."""
     try:
@@ -378,6 +406,7 @@ SCENARIOS = {
     "compare": scenario_compare,
     "ddp": scenario_ddp,
     "subgroup": scenario_subgroup,
+    "threads": scenario_threads,
     "bad-world-size": scenario_bad_world_size,
     "bad-reduce-op": scenario_bad_reduce_op,
     "timeout": scenario_timeout,

@@ -152,3 +152,15 @@ def test_collective_with_a_missing_rank_times_out_and_aborts_the_job():
     assert result.returncode != 0, result.output
     assert "barrier on a group of 3 ranks did not complete within 0:00:02" in result.stderr
     assert "HINT: " in result.stderr
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("thread_level", ["serialized", "multiple"])
+def test_threads_share_the_group(thread_level):
+    """Below MPI_THREAD_MULTIPLE the backend's lock is all that keeps two threads' MPI calls
+    apart (without it this run hung about one time in three)."""
+    result = run_worker(3, "threads", timeout=90, env={"MPI4PY_RC_THREAD_LEVEL": thread_level})
+    assert result.returncode == 0, result.output
+    reports = by_rank(json_objects(result.stdout), 3)
+    assert all(r["errors"] == [] for r in reports), reports
+    assert {r["thread_level"] for r in reports} == {2 if thread_level == "serialized" else 3}
