@@ -95,7 +95,7 @@ class TrainConfig:
     learning-rate schedule still spans --epochs, so a later resume continues it exactly"""
 
     metrics: Path | None = None
-    """JSON-lines metrics file, appended to by rank 0; None means RUN_DIR/metrics.jsonl"""
+    """JSON-lines metrics file, appended to by rank 0; when not given, RUN_DIR/metrics.jsonl"""
 
     log_every: int = 10
     """log (and record metrics) every N optimizer steps"""
