@@ -36,8 +36,8 @@ Semantics and strategies:
   not supported.
 * Memory: contiguous CPU tensors are handed to MPI by address, without copies; non-contiguous
   tensors are copied to contiguous ones and back. CUDA tensors go to MPI by device pointer when
-  the MPI library says it is CUDA-aware (``MPI.Query_cuda_support()``, mpi4py >= 4.2 only),
-  else they are staged through host memory.
+  the MPI library says it is CUDA-aware (``MPIX_Query_cuda_support``), else they are staged
+  through host memory (a copy each way). The CUDA paths are untested here (no GPU).
 * Threads: DDP calls collectives from autograd threads. Unless MPI provides
   ``MPI_THREAD_MULTIPLE``, every MPI call is serialised with a lock.
 """
@@ -46,6 +46,9 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
+import functools
+import re
 import threading
 import time
 from datetime import timedelta
@@ -100,9 +103,28 @@ def register() -> str:
     return BACKEND_NAME
 
 
-def _cuda_aware() -> bool:
+@functools.cache
+def _mpi_cuda_support() -> bool | None:
+    """What the MPI library says about CUDA buffers; None if it can't say.
+
+    mpi4py 4.1 does not wrap ``MPIX_Query_cuda_support`` (MPICH and Open MPI both export
+    it), so it is called in the libmpi mpi4py loaded.
+    """
     query = getattr(MPI, "Query_cuda_support", None)
-    return bool(query and query())
+    if query is not None:
+        return bool(query())
+    with open("/proc/self/maps") as maps:
+        paths = set(re.findall(r"/\S*/libmpi[^/\s]*\.so[.\d]*", maps.read()))
+    for path in sorted(paths):
+        function = getattr(ctypes.CDLL(path), "MPIX_Query_cuda_support", None)
+        if function is not None:
+            function.restype = ctypes.c_int
+            return bool(function())
+    return None
+
+
+def _cuda_aware() -> bool:
+    return bool(_mpi_cuda_support())
 
 
 _reductions: dict = {}

@@ -368,6 +368,26 @@ def scenario_threads() -> None:
     dist.destroy_process_group()
 
 
+def scenario_cuda() -> None:
+    """CUDA tensors (staged through host memory unless MPI is CUDA-aware) vs the same on CPU."""
+    init_default("mpi4py")
+    torch.cuda.set_device(RANK % torch.cuda.device_count())
+    gen = torch.Generator().manual_seed(RANK)
+    cpu = torch.randn(1000, generator=gen)
+    results = {}
+    for device in ("cpu", "cuda"):
+        t = cpu.to(device)
+        dist.all_reduce(t)
+        b = cpu.to(device)
+        dist.broadcast(b, src=0)
+        out = torch.empty(1000 * SIZE, device=device)
+        dist.all_gather_into_tensor(out, cpu.to(device))
+        results[device] = [x.cpu() for x in (t, b, out)]
+    same = all(torch.equal(a, b) for a, b in zip(results["cpu"], results["cuda"], strict=True))
+    emit(same=same, cuda_aware=mpi_backend._cuda_aware())
+    dist.destroy_process_group()
+
+
 def scenario_bad_world_size() -> None:
     """init_process_group with one rank too many: every rank must say so and exit non-zero."""
     try:
@@ -407,6 +427,7 @@ SCENARIOS = {
     "ddp": scenario_ddp,
     "subgroup": scenario_subgroup,
     "threads": scenario_threads,
+    "cuda": scenario_cuda,
     "bad-world-size": scenario_bad_world_size,
     "bad-reduce-op": scenario_bad_reduce_op,
     "timeout": scenario_timeout,

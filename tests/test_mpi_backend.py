@@ -164,3 +164,19 @@ def test_threads_share_the_group(thread_level):
     reports = by_rank(json_objects(result.stdout), 3)
     assert all(r["errors"] == [] for r in reports), reports
     assert {r["thread_level"] for r in reports} == {2 if thread_level == "serialized" else 3}
+
+
+def test_the_mpi_library_is_asked_about_cuda_support():
+    """MPICH from PyPI is built without CUDA: it must answer (not None) and say no, so CUDA
+    tensors would be staged through host memory."""
+    assert mpi_backend._mpi_cuda_support() is False
+    assert mpi_backend._cuda_aware() is False
+
+
+@pytest.mark.mpi
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none here)")
+def test_cuda_tensors_give_the_same_results_as_cpu_tensors():
+    result = run_worker(2, "cuda", timeout=120)
+    assert result.returncode == 0, result.output
+    assert all(r["same"] for r in by_rank(json_objects(result.stdout), 2)), result.output
