@@ -11,7 +11,8 @@ collective DDP and users call over MPI through mpi4py:
                             rank=MPI.COMM_WORLD.rank, world_size=MPI.COMM_WORLD.size,
                             timeout=datetime.timedelta(minutes=10))
 
-The store is not used (any store will do; ``HashStore`` needs no network). The world is
+The store is not used (any store will do; ``HashStore`` needs no network; use ``env://``
+instead when gloo groups are to be made beside it with ``new_group``). The world is
 ``MPI.COMM_WORLD``: rank and world size must equal MPI's, otherwise every rank raises
 ``LaunchError``. Each process group gets its own communicator, so groups never match each
 other's messages: the world group a ``Dup`` of COMM_WORLD, ``dist.new_group(ranks)`` a
@@ -20,13 +21,18 @@ default group may be another backend, e.g. gloo, launched with MPI's rank and si
 
 Semantics and strategies:
 
-* Ops run to completion inside the call (``async_op=True`` returns a finished Work), so DDP gets
-  no overlap of communication with backward; send/recv/isend/irecv are truly non-blocking
+* Collectives run to completion inside the call (``async_op=True`` returns a finished Work;
+  a synchronous call returns none, which torch's Python API accepts), so DDP gets no overlap
+  of communication with backward. send/recv/isend/irecv are truly non-blocking
   (``Isend``/``Irecv``; ``Work.wait`` waits on the request).
+* List forms (all_gather, gather, scatter, all_to_all, reduce_scatter) go through one flat
+  buffer, a copy; the tensor forms (all_gather_into_tensor, reduce_scatter_tensor,
+  all_to_all_single with even or uneven splits) and all_reduce/broadcast/reduce don't.
 * Timeouts: every op, collective and point-to-point, is started non-blocking and polled against
   the group's timeout. On expiry it raises ``LaunchError`` naming the op and the peer(s); the
   MPI operation cannot be cancelled, so the process then calls ``MPI_Abort`` at exit rather than
-  hang in ``MPI_Finalize``.
+  hang in ``MPI_Finalize``. Inside DDP's backward the error reaches the caller as a
+  RuntimeError carrying the same text.
 * Dtypes: float32/64, int8/16/32/64, uint8/16/32/64, bool, complex64/128 map to MPI types.
   float16/bfloat16 have no MPI type: data movement sends raw 16-bit words; reductions are
   computed in float32 and rounded back once, so results can differ from gloo (which rounds
