@@ -138,7 +138,7 @@ class Trainer:
         spec.module.to(device)
         state = _resume_state(config, ctx, log)
         if state is not None:
-            spec.module.load_state_dict(state["model"])
+            _load_weights(spec.module, state)
         if device.type == "cuda" and env.is_distributed:
             spec = ModelSpec(nn.SyncBatchNorm.convert_sync_batchnorm(spec.module), spec.task)
         optimizer = torch.optim.SGD(spec.module.parameters(), lr=config.lr, momentum=0.9)
@@ -449,6 +449,17 @@ def _check_compatible(state: dict, config: TrainConfig, env: JobEnv, path) -> No
     if differ:
         raise LaunchError(f"{path} belongs to a run with other settings: {', '.join(differ)}",
                           hint="resume with the same flags, or start anew with another --run-dir")
+
+
+def _load_weights(module: nn.Module, state: dict) -> None:
+    # every rank loads the same file into the same model, so every rank fails alike: no collective
+    try:
+        module.load_state_dict(state["model"])
+    except RuntimeError as exc:
+        raise LaunchError(f"the checkpoint's weights do not fit the model: "
+                          f"{str(exc).splitlines()[0]}",
+                          hint="resume with the model that wrote the checkpoint, or start anew "
+                          "with another --run-dir") from None
 
 
 def _timed_allreduce(seconds: list[float], bucket):
