@@ -3,9 +3,11 @@
     .venv/bin/mpiexec -n 2 .venv/bin/python benchmarks/allreduce.py --json allreduce.json
 
 Every rank takes part; rank 0 prints the table and writes the JSON. Sizes are float32 buffers
-from 4 KiB to 64 MiB. The three contenders are measured in turn, several rounds each, and the
-best round counts: on a shared machine the minimum is the least noisy estimate of what the
-code costs. Bandwidth is algorithm bandwidth (bytes reduced per second of one all_reduce).
+from 4 KiB to 64 MiB. Each call is timed on its own, after a barrier, and counts as long as
+its slowest rank took; the three contenders take turns in several rounds so that load from
+other processes falls on all of them alike. The table shows the median call and, beside it,
+the best call: on a busy machine the best is the steadier estimate of what the code costs.
+Bandwidth is algorithm bandwidth (bytes reduced per second of one all_reduce).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from mpi4py import MPI
@@ -34,10 +37,10 @@ CONTENDERS = ("mpi4py", "gloo", "raw")
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", type=Path, help="write the results here (rank 0)")
-    parser.add_argument("--rounds", type=int, default=5, help="rounds per size and contender")
-    parser.add_argument("--round-seconds", type=float, default=0.05,
-                        help="target duration of one round")
-    parser.add_argument("--pingpongs", type=int, default=2000, help="round trips per p2p round")
+    parser.add_argument("--rounds", type=int, default=5, help="turns each contender takes")
+    parser.add_argument("--seconds", type=float, default=0.4,
+                        help="time budget per size and contender, all rounds together")
+    parser.add_argument("--max-calls", type=int, default=2000, help="calls per size at most")
     return parser.parse_args()
 
 
@@ -56,28 +59,32 @@ def init_groups() -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
     return dist.group.WORLD, ours
 
 
-def timed(op, iterations: int) -> float:
-    """Seconds per call of ``op`` over ``iterations`` calls, all ranks starting together."""
-    COMM.Barrier()
-    start = time.perf_counter()
-    for _ in range(iterations):
+def sample(op, calls: int) -> np.ndarray:
+    """Seconds of each of ``calls`` calls of ``op``, each the slowest rank's."""
+    times = np.empty(calls)
+    for i in range(calls):
+        COMM.Barrier()
+        start = time.perf_counter()
         op()
-    elapsed = time.perf_counter() - start
-    return COMM.allreduce(elapsed, op=MPI.MAX) / iterations
-
-
-def best(ops: dict, rounds: int, round_seconds: float) -> dict[str, float]:
-    """Best seconds-per-call of each op; iteration counts agreed on rank 0's warm-up."""
-    iterations = {}
-    for name, op in ops.items():
-        op()  # warm-up: connections, first-touch of buffers
-        per_call = timed(op, 3)
-        iterations[name] = COMM.bcast(max(3, int(round_seconds / max(per_call, 1e-7))), root=0)
-    times = {name: float("inf") for name in ops}
-    for _ in range(rounds):
-        for name, op in ops.items():
-            times[name] = min(times[name], timed(op, iterations[name]))
+        times[i] = time.perf_counter() - start
+    COMM.Allreduce(MPI.IN_PLACE, times, op=MPI.MAX)
     return times
+
+
+def measure(ops: dict, args) -> dict[str, dict[str, float]]:
+    """Median and best seconds per call of each op, over interleaved rounds."""
+    calls = {}
+    for name, op in ops.items():
+        op()  # warm-up: connections, first touch of buffers
+        estimate = float(np.median(sample(op, 3)))
+        calls[name] = max(2, min(args.max_calls, int(args.seconds / estimate)) // args.rounds)
+    times = {name: [] for name in ops}
+    for _ in range(args.rounds):
+        for name, op in ops.items():
+            times[name].append(sample(op, calls[name]))
+    return {name: {"median": float(np.median(np.concatenate(t))),
+                   "best": float(np.min(np.concatenate(t))),
+                   "calls": int(sum(len(x) for x in t))} for name, t in times.items()}
 
 
 def allreduce_ops(nbytes: int, gloo, ours) -> dict:
@@ -95,26 +102,27 @@ def allreduce_ops(nbytes: int, gloo, ours) -> dict:
 def allreduce_table(gloo, ours, args) -> list[dict]:
     rows = []
     for nbytes in SIZES:
-        ops = allreduce_ops(nbytes, gloo, ours)
-        times = best(ops, args.rounds, args.round_seconds)
+        stats = measure(allreduce_ops(nbytes, gloo, ours), args)
         row = {"bytes": nbytes}
         for name in CONTENDERS:
-            row[f"{name}_us"] = times[name] * 1e6
-            row[f"{name}_GBps"] = nbytes / times[name] / 1e9
-        row["mpi4py_vs_raw"] = times["raw"] / times["mpi4py"]
-        row["mpi4py_vs_gloo"] = times["gloo"] / times["mpi4py"]
+            for stat in ("median", "best"):
+                row[f"{name}_{stat}_us"] = stats[name][stat] * 1e6
+                row[f"{name}_{stat}_GBps"] = nbytes / stats[name][stat] / 1e9
+            row[f"{name}_calls"] = stats[name]["calls"]
+        for stat in ("median", "best"):
+            mine = stats["mpi4py"][stat]
+            row[f"vs_raw_{stat}"] = stats["raw"][stat] / mine  # 1.0: as fast as raw mpi4py
+            row[f"vs_gloo_{stat}"] = stats["gloo"][stat] / mine  # > 1: faster than gloo
         rows.append(row)
     return rows
 
 
-def pingpong(gloo, ours, args) -> dict[str, float]:
-    """Half round-trip latency of a 4-byte message between ranks 0 and 1 (others idle)."""
+def pingpong_ops(gloo, ours) -> dict:
+    """A 4-byte round trip between ranks 0 and 1 per contender (other ranks idle)."""
     me = COMM.rank
-    peer = 1 - me if me < 2 else None
-    t = {name: torch.zeros(1, dtype=torch.float32) for name in CONTENDERS}
-    raw = t["raw"].numpy()
+    mine, theirs, raw = torch.zeros(1), torch.zeros(1), np.zeros(1, dtype=np.float32)
 
-    def torch_pingpong(group, tensor):
+    def over(group, tensor):
         def run():
             if me == 0:
                 dist.send(tensor, 1, group=group)
@@ -124,59 +132,60 @@ def pingpong(gloo, ours, args) -> dict[str, float]:
                 dist.send(tensor, 0, group=group)
         return run
 
-    def raw_pingpong():
+    def raw_run():
         if me == 0:
-            COMM.Send(raw, dest=peer)
-            COMM.Recv(raw, source=peer)
+            COMM.Send(raw, dest=1)
+            COMM.Recv(raw, source=1)
         elif me == 1:
-            COMM.Recv(raw, source=peer)
-            COMM.Send(raw, dest=peer)
+            COMM.Recv(raw, source=0)
+            COMM.Send(raw, dest=0)
 
-    ops = {"mpi4py": torch_pingpong(ours, t["mpi4py"]), "gloo": torch_pingpong(gloo, t["gloo"]),
-           "raw": raw_pingpong}
-    times = {name: float("inf") for name in ops}
-    for _ in range(args.rounds):
-        for name, op in ops.items():
-            times[name] = min(times[name], timed(op, args.pingpongs))
-    return {f"{name}_us": times[name] / 2 * 1e6 for name in CONTENDERS}
+    return {"mpi4py": over(ours, mine), "gloo": over(gloo, theirs), "raw": raw_run}
 
 
 def human(nbytes: int) -> str:
     return f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB"
 
 
-def print_table(rows: list[dict], p2p: dict[str, float]) -> None:
-    print(f"all_reduce float32, {COMM.size} ranks, best of rounds "
-          f"(GB/s = bytes / time of one all_reduce)")
-    header = (f"{'size':>8} | {'mpi4py us':>10} {'GB/s':>6} | {'gloo us':>10} {'GB/s':>6} | "
-              f"{'raw us':>10} {'GB/s':>6} | {'vs raw':>6} {'vs gloo':>7}")
+def print_table(rows: list[dict], latency: dict) -> None:
+    print(f"all_reduce float32, {COMM.size} ranks: median (best) microseconds per call, "
+          f"GB/s of the median")
+    header = (f"{'size':>6} | {'mpi4py':>17} {'GB/s':>5} | {'gloo':>17} {'GB/s':>5} | "
+              f"{'raw mpi4py':>17} {'GB/s':>5} | {'vs raw':>11} | {'vs gloo':>13}")
     print(header)
     print("-" * len(header))
     for r in rows:
-        print(f"{human(r['bytes']):>8} | {r['mpi4py_us']:>10.1f} {r['mpi4py_GBps']:>6.2f} | "
-              f"{r['gloo_us']:>10.1f} {r['gloo_GBps']:>6.2f} | {r['raw_us']:>10.1f} "
-              f"{r['raw_GBps']:>6.2f} | {r['mpi4py_vs_raw']:>6.2f} {r['mpi4py_vs_gloo']:>6.2f}x")
-    print(f"\nping-pong latency, 4 bytes, half round trip: mpi4py {p2p['mpi4py_us']:.1f} us, "
-          f"gloo {p2p['gloo_us']:.1f} us, raw mpi4py {p2p['raw_us']:.1f} us")
+        cells = [f"{r[f'{n}_median_us']:>8.1f} ({r[f'{n}_best_us']:>6.1f}) "
+                 f"{r[f'{n}_median_GBps']:>5.2f}" for n in CONTENDERS]
+        print(f"{human(r['bytes']):>6} | " + " | ".join(cells)
+              + f" | {r['vs_raw_median']:>4.2f} ({r['vs_raw_best']:>4.2f})"
+              + f" | {r['vs_gloo_median']:>5.1f}x ({r['vs_gloo_best']:>4.1f}x)")
     print("vs raw = raw time / mpi4py time (1.0 = as fast as raw mpi4py); "
-          "vs gloo = gloo time / mpi4py time (>1 = mpi4py faster)")
+          "vs gloo = gloo time / mpi4py time (> 1 = mpi4py faster)")
+    print("\nping-pong, 4 bytes, half round trip, median (best) us: "
+          + ", ".join(f"{n} {latency[n]['median'] / 2 * 1e6:.1f} "
+                      f"({latency[n]['best'] / 2 * 1e6:.1f})" for n in CONTENDERS))
 
 
 def main() -> None:
     args = parse_args()
     gloo, ours = init_groups()
     rows = allreduce_table(gloo, ours, args)
-    p2p = pingpong(gloo, ours, args)
+    latency = measure(pingpong_ops(gloo, ours), args)
     if COMM.rank == 0:
-        print_table(rows, p2p)
+        print_table(rows, latency)
         if args.json:
             args.json.write_text(json.dumps({
+                "command": " ".join(sys.argv),
                 "world_size": COMM.size,
                 "mpi_library": MPI.Get_library_version().splitlines()[0].strip(),
                 "mpi4py_thread_level": MPI.Query_thread(),
                 "torch": torch.__version__,
+                "load_average": os.getloadavg(),
                 "allreduce": rows,
-                "pingpong": p2p,
+                "pingpong_half_round_trip_us": {
+                    n: {k: latency[n][k] / 2 * 1e6 for k in ("median", "best")}
+                    for n in CONTENDERS},
             }, indent=2) + "\n")
     dist.destroy_process_group()
 

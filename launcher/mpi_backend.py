@@ -54,6 +54,7 @@ import atexit
 import contextlib
 import ctypes
 import functools
+import os
 import re
 import threading
 import time
@@ -98,6 +99,10 @@ _LOGICAL = {_RedOp.SUM: MPI.LOR, _RedOp.MAX: MPI.LOR, _RedOp.BOR: MPI.LOR,
             _RedOp.BXOR: MPI.LXOR}
 
 _CPU = torch.device("cpu")
+
+#: polls of a request (about 1 us each from Python) before each further poll gives up the
+#: CPU: MPICH spins for about as long (1000 polls of its own) before it yields
+_POLLS_BEFORE_YIELD = 50
 
 
 def register() -> str:
@@ -313,10 +318,16 @@ class MPIProcessGroup(dist.ProcessGroup):
             if request.Test(status):
                 return
         deadline = time.monotonic() + self._timeout_s
+        polls = 0
         while True:
             with lock:
                 if request.Test(status):
                     return
+            polls += 1
+            if polls > _POLLS_BEFORE_YIELD:
+                # like MPICH's own wait loop: when ranks outnumber free cores, a peer waiting
+                # for a CPU would otherwise wait out this process's whole time slice
+                os.sched_yield()
             if time.monotonic() > deadline:
                 _abort_at_exit()
                 what = op if peer is None else f"{op} {peer}"
