@@ -6,6 +6,7 @@ the work is done by debootstrap, docker-py (the Docker engine API) and apptainer
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shlex
@@ -161,29 +162,50 @@ def stream_build(client, out=sys.stdout, **kwargs) -> str:
     return image_id
 
 
+#: builds rewrite .build-inputs/ in the checkout: one at a time on a machine (test sessions,
+#: benchmarks and users run side by side)
+BUILD_LOCK = Path(tempfile.gettempdir()) / "ddp-image-build.lock"
+
+
+@contextmanager
+def build_lock():
+    with open(BUILD_LOCK, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 def build_image(*, flavor: str = "cpu", name: str = ic.DEFAULT_NAME, base_image: str = "",
                 wheelhouse: str = ic.DEFAULT_WHEELHOUSE, ca_bundle: str = "",
                 keep_ca: bool = False, build_args: str = "", nocache: bool = False,
-                out=sys.stdout) -> str:
-    """Build docker/Dockerfile as NAME:FLAVOR; returns the tag (the work behind `invoke build`)."""
+                reuse_current: bool = False, out=sys.stdout) -> str:
+    """Build docker/Dockerfile as NAME:FLAVOR; returns the tag (the work behind `invoke build`).
+
+    ``reuse_current``: keep an existing NAME:FLAVOR built from the same sources and inputs
+    (its ``io.ddp.source-digest`` label) without asking the engine.
+    """
     tag = ic.image_tag(name, flavor)
     wheelhouse_path = ic.ROOT / wheelhouse if wheelhouse else None
     if wheelhouse_path is not None and wheelhouse == ic.DEFAULT_WHEELHOUSE \
             and not wheelhouse_path.is_dir():
         wheelhouse_path = None  # the default is optional; an explicit directory is not
-    inputs = stage_build_inputs(str(wheelhouse_path or ""), ca_bundle)
-    has_torch = any((inputs / "wheelhouse").glob("torch-*.whl"))
-    args = ic.build_args(
-        flavor=flavor, base_image=base_image,
-        identity=ic.image_identity(name, __version__, flavor),
-        torch_index_url=ic.torch_index_for(flavor, has_torch),
-        source_digest=ic.source_digest(), keep_ca=keep_ca,
-        extra=ic.parse_build_args(build_args))
-    print(f"building {tag} with " + " ".join(
-        f"{k}={v}" for k, v in args.items()), file=out, flush=True)
     client = docker_client()
-    stream_build(client, out=out, path=str(ic.ROOT), dockerfile="docker/Dockerfile", tag=tag,
-                 buildargs=args, target="runtime", nocache=nocache)
+    with build_lock():
+        inputs = stage_build_inputs(str(wheelhouse_path or ""), ca_bundle)
+        digest = ic.source_digest()
+        if reuse_current and image_exists(client, tag) \
+                and client.images.get(tag).labels.get("io.ddp.source-digest") == digest:
+            print(f"{tag} is current (source digest {digest})", file=out, flush=True)
+            return tag
+        has_torch = any((inputs / "wheelhouse").glob("torch-*.whl"))
+        args = ic.build_args(
+            flavor=flavor, base_image=base_image,
+            identity=ic.image_identity(name, __version__, flavor),
+            torch_index_url=ic.torch_index_for(flavor, has_torch),
+            source_digest=digest, keep_ca=keep_ca, extra=ic.parse_build_args(build_args))
+        print(f"building {tag} with " + " ".join(
+            f"{k}={v}" for k, v in args.items()), file=out, flush=True)
+        stream_build(client, out=out, path=str(ic.ROOT), dockerfile="docker/Dockerfile",
+                     tag=tag, buildargs=args, target="runtime", nocache=nocache)
     return tag
 
 

@@ -11,7 +11,7 @@ import urllib.request
 import pytest
 
 from ddp_tasks import image_commands as ic
-from tests.fixtures.docker import HOST_CA_BUNDLE, build_lock
+from tests.fixtures.docker import HOST_CA_BUNDLE
 
 
 @pytest.mark.docker
@@ -21,9 +21,8 @@ def test_build_push_pull_by_digest_and_run(cpu_image, base_image, registry, dock
     command = [sys.executable, "-m", "invoke", "build", "--base-image", base_image,
                "--ca-bundle", str(HOST_CA_BUNDLE), "push"]
     env = {**os.environ, "DDP_REGISTRY": registry}
-    with build_lock():
-        result = subprocess.run(command, cwd=ic.ROOT, env=env, capture_output=True, text=True,
-                                timeout=900)
+    result = subprocess.run(command, cwd=ic.ROOT, env=env, capture_output=True, text=True,
+                            timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     match = re.search(rf"^pushed ({re.escape(registry)}/ddp@sha256:[0-9a-f]{{64}})$",
                       result.stdout, re.MULTILINE)
