@@ -1,6 +1,7 @@
 """all_reduce and point-to-point latency: the mpi4py backend vs gloo vs raw mpi4py, one run.
 
-    .venv/bin/mpiexec -n 2 .venv/bin/python benchmarks/allreduce.py --json allreduce.json
+    .venv/bin/mpiexec -n 2 .venv/bin/python benchmarks/allreduce.py \
+        --json benchmarks/results/allreduce.json
 
 Every rank takes part; rank 0 prints the table and writes the JSON. Sizes are float32 buffers
 from 4 KiB to 64 MiB. Each call is timed on its own, after a barrier, and counts as long as
@@ -37,8 +38,8 @@ CONTENDERS = ("mpi4py", "gloo", "raw")
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", type=Path, help="write the results here (rank 0)")
-    parser.add_argument("--rounds", type=int, default=5, help="turns each contender takes")
-    parser.add_argument("--seconds", type=float, default=0.4,
+    parser.add_argument("--rounds", type=int, default=8, help="turns each contender takes")
+    parser.add_argument("--seconds", type=float, default=0.8,
                         help="time budget per size and contender, all rounds together")
     parser.add_argument("--max-calls", type=int, default=2000, help="calls per size at most")
     return parser.parse_args()
