@@ -26,8 +26,9 @@ EXIT_WITHIN = 60
 RUN_DIR = "/shared/runs/faults"
 #: the ranks' process name (mpiexec and its proxies have other names)
 PYTHON = "python3?"
-#: 3 ranks: 1437 digits / 48 = 29 steps an epoch; long enough to hit it mid-run
-TRAIN = (f"--epochs 30 --global-batch-size 48 --checkpoint-every 10 --log-every 10 "
+#: 3 ranks: 1437 digits / 48 = 29 steps an epoch. Short, so the resumed run ends soon even on a
+#: busy machine; the fault still lands mid-run because the ranks are frozen while it happens.
+TRAIN = (f"--epochs 2 --global-batch-size 48 --checkpoint-every 5 --log-every 5 "
          f"--timeout-s {COLLECTIVE_TIMEOUT} --run-dir {RUN_DIR}")
 
 
@@ -54,6 +55,11 @@ def ranks_running(cluster: Cluster, hosts) -> list[str]:
             if cluster.exec(host, f"pgrep -x '{PYTHON}'").returncode == 0]
 
 
+def signal_ranks(cluster: Cluster, hosts, signal: str) -> None:
+    for host in hosts:
+        cluster.check(host, f"kill -{signal} $(pgrep -x '{PYTHON}')")
+
+
 def finish(process: subprocess.Popen, timeout: float) -> tuple[int, str]:
     try:
         output, _ = process.communicate(timeout=timeout)
@@ -70,8 +76,12 @@ def cut_off(cluster: Cluster, host: str) -> None:
 
 
 def reconnect(cluster: Cluster, host: str) -> None:
+    """Back on the network under its name; restarted, because docker names a reconnected
+    interface eth1, eth2 ... while the cluster's GLOO_SOCKET_IFNAME says eth0."""
     subprocess.run(["docker", "network", "connect", "--alias", host, cluster.network,
                     cluster.container(host)], check=True, timeout=60)
+    subprocess.run(["docker", "restart", "--time", "1", cluster.container(host)], check=True,
+                   timeout=60)
 
 
 def kill(cluster: Cluster, host: str) -> None:
@@ -96,7 +106,9 @@ def test_lost_node_ends_every_rank_then_resume_completes(start_compose_mpi, faul
                "the first checkpoint")
     assert training.poll() is None, training.communicate()[0]
 
+    signal_ranks(cluster, cluster.hosts, "STOP")
     inflict(cluster, lost)
+    signal_ranks(cluster, survivors, "CONT")
     faulted = time.monotonic()
     wait_until(lambda: not ranks_running(cluster, survivors), EXIT_WITHIN,
                f"every rank on {survivors} to exit after {fault} of {lost}")
@@ -118,15 +130,20 @@ def test_lost_node_ends_every_rank_then_resume_completes(start_compose_mpi, faul
 
 
 # A watcher inside rank 0's node kills the writer (rank 0, the only python there) while a
-# checkpoint's temporary file exists: it stops the writer when the file appears, and kills it
-# only if the file is still there (mid-write), else lets it go on and waits for the next one.
+# checkpoint's temporary file exists, once an older complete checkpoint is there: it stops the
+# writer when the file appears, and kills it only if the file is still there (mid-write), else
+# lets it go on and waits for the next one. Shell builtins only in the loop: it must be quick.
 KILL_WRITER = f"""
-pid=$(pgrep -x '{PYTHON}')
+until pid=$(pgrep -x '{PYTHON}'); do sleep 0.1; done
+until cd {RUN_DIR}/checkpoints 2>/dev/null; do sleep 0.01; done
 while :; do
-    for f in {RUN_DIR}/checkpoints/.ckpt-*.tmp; do
+    complete=
+    for f in ckpt-*.pt; do [ -e "$f" ] && complete=1; done
+    [ -n "$complete" ] || continue
+    for f in .ckpt-*.tmp; do
         [ -e "$f" ] || continue
         kill -STOP "$pid"
-        if [ -e "$f" ]; then kill -9 "$pid"; echo "$f"; exit 0; fi
+        if [ -e "$f" ]; then kill -9 "$pid"; echo "$PWD/$f"; exit 0; fi
         kill -CONT "$pid"
     done
 done
@@ -142,12 +159,15 @@ EOF"""
 
 def test_checkpoint_of_a_killed_writer_is_never_resumed(start_compose_mpi):
     cluster = start_compose_mpi(2)
-    args = TRAIN.replace("--checkpoint-every 10", "--checkpoint-every 1").replace(
+    args = TRAIN.replace("--checkpoint-every 5", "--checkpoint-every 1").replace(
         "--global-batch-size 48", "--global-batch-size 64")
+    watcher = subprocess.Popen(["docker", "exec", cluster.container("node0"), "sh", "-c",
+                                KILL_WRITER], stdout=subprocess.PIPE, text=True)
     training = start_training(cluster, 2, args)
-    wait_until(lambda: has_checkpoint(cluster) or training.poll() is not None, 240,
-               "the first checkpoint")
-    killed_in = cluster.check("node0", KILL_WRITER, timeout=120).strip()
+    try:
+        killed_in = watcher.communicate(timeout=300)[0].strip()
+    finally:
+        watcher.kill()
     status, output = finish(training, EXIT_WITHIN)
     assert status != 0, output
     partial_step = int(re.search(r"\.ckpt-(\d+)\.pt", killed_in).group(1))

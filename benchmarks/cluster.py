@@ -1,0 +1,113 @@
+"""Compose cluster benchmark: start-up to healthy, launch to first step, all_reduce across nodes.
+
+    .venv/bin/python benchmarks/cluster.py [--image ddp:cpu] [--nodes 2] [--json PATH]
+
+Starts an MPI cluster of NODES containers with the project's own code (``invoke cluster.up``),
+times ``invoke run --runtime docker`` until rank 0 logs its first training step, runs
+benchmarks/allreduce.py across the nodes when it is there (gloo, the mpi4py backend and raw
+mpi4py), tears the cluster down, prints a table and writes JSON.
+Goal: the first training step less than 5 s after the cluster is healthy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from ddp_tasks import cluster as cl  # noqa: E402
+
+GOALS = {"first_step_s": 5.0}
+ALLREDUCE = ROOT / "benchmarks" / "allreduce.py"
+FIRST_STEP = re.compile(r"\bstep 1\b")
+RUN_TIMEOUT = 600
+
+
+def time_to_first_step(project: str, prefix: str, nodes: int) -> tuple[float, float]:
+    """Seconds from ``invoke run`` to rank 0's first step log line, and to the end of the run."""
+    argv = [sys.executable, "-m", "invoke", "run", "--runtime", "docker", "--nodes", str(nodes),
+            "--prefix", prefix, "--module", "launcher.train", "--args",
+            f"--epochs 1 --log-every 1 --run-dir /shared/bench/{time.time_ns()}"]
+    start = time.monotonic()
+    first = None
+    with subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True) as process:
+        output = []
+        for line in process.stdout:
+            output.append(line)
+            if first is None and FIRST_STEP.search(line):
+                first = time.monotonic() - start
+            if time.monotonic() - start > RUN_TIMEOUT:
+                process.kill()
+        status = process.wait(timeout=RUN_TIMEOUT)
+    if status != 0 or first is None:
+        raise SystemExit(f"training on the cluster failed ({status}):\n{''.join(output)}")
+    return first, time.monotonic() - start
+
+
+def allreduce(prefix: str, nodes: int) -> dict | None:
+    """benchmarks/allreduce.py across the nodes, one rank each; its JSON, or None without it."""
+    if not ALLREDUCE.exists():
+        return None
+    node0 = prefix + "node0"
+    subprocess.run(["docker", "cp", str(ALLREDUCE), f"{node0}:/shared/allreduce.py"],
+                   check=True, timeout=60)
+    hosts = ",".join(cl.hosts(nodes))
+    subprocess.run(["docker", "exec", node0, "mpiexec", "-launcher", "ssh", "-hosts", hosts,
+                    "-n", str(nodes), "-ppn", "1", "python", "/shared/allreduce.py", "--json",
+                    "/shared/allreduce.json"], check=True, timeout=RUN_TIMEOUT)
+    text = subprocess.run(["docker", "exec", node0, "cat", "/shared/allreduce.json"],
+                          check=True, capture_output=True, text=True, timeout=60).stdout
+    return json.loads(text)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--image", default=cl.DEFAULT_IMAGE, help="project image (ddp:cpu)")
+    parser.add_argument("--nodes", type=int, default=2, help="cluster size (default 2)")
+    parser.add_argument("--json", default=str(ROOT / "benchmarks" / "cluster.json"),
+                        help="where to write the results (default benchmarks/cluster.json)")
+    args = parser.parse_args()
+
+    project = f"ddpbench{os.getpid()}"
+    prefix = f"{project}-"
+    results: dict[str, object] = {"nodes": args.nodes}
+    try:
+        results["healthy_s"] = cl.up_mpi(args.nodes, project, prefix, args.image)
+        results["first_step_s"], results["run_s"] = time_to_first_step(project, prefix,
+                                                                       args.nodes)
+        results["allreduce"] = allreduce(prefix, args.nodes)
+    finally:
+        left = cl.remove(project, cl.mpi_compose_file(args.nodes, project))
+        shutil.rmtree(cl.RUNS_DIR / project, ignore_errors=True)
+    if left:
+        raise SystemExit(f"the benchmark cluster left behind: {left}")
+    results["machine"] = f"{platform.node()} {platform.machine()}, {os.cpu_count()} cores"
+
+    rows = [(f"{args.nodes}-node cluster: up to healthy", results["healthy_s"], None),
+            ("invoke run to first training step", results["first_step_s"],
+             GOALS["first_step_s"]),
+            ("invoke run to the end (1 epoch of digits)", results["run_s"], None)]
+    print(f"{'measure':44} {'value':>9}  {'goal':>8}  ok")
+    for name, value, goal in rows:
+        ok = "" if goal is None else ("yes" if value <= goal else "NO")
+        print(f"{name:44} {value:>7.2f} s  {'' if goal is None else f'<= {goal} s':>8}  {ok}")
+    if results["allreduce"] is None:
+        print(f"all_reduce: skipped, {ALLREDUCE.relative_to(ROOT)} is not there")
+    Path(args.json).write_text(json.dumps({"results": results, "goals": GOALS}, indent=2) + "\n")
+    print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
