@@ -25,6 +25,10 @@ Semantics and strategies:
   a synchronous call returns none, which torch's Python API accepts), so DDP gets no overlap
   of communication with backward. send/recv/isend/irecv are truly non-blocking
   (``Isend``/``Irecv``; ``Work.wait`` waits on the request).
+* Also covered: object collectives (all_gather_object, broadcast_object_list, ...),
+  batch_isend_irecv, the *_coalesced variants, functional collectives
+  (``torch.distributed._functional_collectives``). Not: monitored_barrier (torch allows it on
+  gloo only), PREMUL_SUM.
 * List forms (all_gather, gather, scatter, all_to_all, reduce_scatter) go through one flat
   buffer, a copy; the tensor forms (all_gather_into_tensor, reduce_scatter_tensor,
   all_to_all_single with even or uneven splits) and all_reduce/broadcast/reduce don't.
@@ -38,8 +42,7 @@ Semantics and strategies:
   computed in float32 and rounded back once, so results can differ from gloo (which rounds
   after every addition) in the last bit.
 * bool reductions are logical (SUM/MAX/BOR -> or, PRODUCT/MIN/BAND -> and, BXOR -> xor).
-  AVG is SUM divided by the group size, for floating and complex dtypes only. PREMUL_SUM is
-  not supported.
+  AVG is SUM divided by the group size, for floating and complex dtypes only.
 * Memory: contiguous CPU tensors are handed to MPI by address, without copies; non-contiguous
   tensors are copied to contiguous ones and back. CUDA tensors go to MPI by device pointer when
   the MPI library says it is CUDA-aware (``MPIX_Query_cuda_support``), else they are staged
@@ -299,6 +302,15 @@ class MPIProcessGroup(dist.ProcessGroup):
 
     def __repr__(self) -> str:
         return f"MPIProcessGroup(rank={self._rank_}, size={self._size_})"
+
+    def _set_group_name(self, name: str) -> None:
+        # torch keeps the name on a group's C++ backends; this group has none, so it keeps the
+        # name itself (functional collectives, as DTensor uses them, look groups up by name)
+        self._group_name = name
+
+    @property
+    def group_name(self) -> str:
+        return self._group_name
 
     def shutdown(self) -> None:
         """Free the communicator (destroy_process_group calls this on every rank)."""

@@ -17,6 +17,7 @@ import zlib
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from mpi4py import MPI
 
 from launcher import mpi_backend
@@ -287,6 +288,9 @@ def scenario_compare() -> None:
     dist.broadcast_object_list(box, src=0, group=groups["mpi4py"])
     if objects != [{"rank": r} for r in range(SIZE)] or box != [{"from": 0}]:
         failures.append(f"object collectives: {objects} {box}")
+    functional = funcol.all_reduce(torch.full((3,), float(RANK)), "sum", groups["mpi4py"])
+    if not torch.equal(functional.wait(), torch.full((3,), float(sum(range(SIZE))))):
+        failures.append(f"functional all_reduce: {functional}")
     failures = [f for f in failures if f]
     emit(cases=cases, failures=failures[:20], failed=len(failures))
     dist.destroy_process_group()
