@@ -27,6 +27,7 @@ GOALS = {"rebuild_s": 15.0, "size_gb": 1.2}
 HOST_CA_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
 # a new module under launcher/: a code-only change that must not touch the dependency layers
 PROBE = ic.ROOT / "launcher" / "_rebuild_probe.py"
+RESULTS = ic.ROOT / "benchmarks" / "results" / "image_build.json"
 
 
 def timed_build(**options) -> tuple[float, int]:
@@ -41,8 +42,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--skip-cold", action="store_true",
                         help="skip the cold (no cache) build, which takes minutes")
-    parser.add_argument("--json", default=str(ic.ROOT / "benchmarks" / "image_build.json"),
-                        help="where to write the results (default benchmarks/image_build.json)")
+    parser.add_argument("--json", default=str(RESULTS),
+                        help=f"where to write the results (default {RESULTS.relative_to(ic.ROOT)})")
     args = parser.parse_args()
 
     client = image_tasks.docker_client()
