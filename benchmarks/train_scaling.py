@@ -11,7 +11,9 @@ costs. Each rank runs one torch thread by default (``--threads 1``): 1 rank on o
 shared 2-core machine spends most of its time in OpenMP barriers and would flatter DDP.
 
 - Strong scaling (MLP, DDP): the same global batch B on 1 and 2 ranks; speedup = rate2 / rate1,
-  efficiency = speedup / 2; the crossover is the smallest B at which two ranks beat one.
+  efficiency = speedup / 2; the crossover is the smallest B at which two ranks beat one. "step
+  speedup" divides the smallest 1-rank step time by the smallest 2-rank ``--sync manual`` step
+  time (T_comp + T_sync): what the code costs when nothing else competes for the cores.
 - The synchronous-SGD split (``--sync manual``, 2 ranks): T_comp (step time without the
   all-reduce) and T_sync (the all-reduce, timed exactly) per step. With c the compute time per
   sample of one rank, one rank takes c*B per step and two take c*B/2 + T_sync, so two ranks
@@ -95,7 +97,9 @@ def main() -> None:
             speedup = two["samples_per_s"] / one["samples_per_s"]
             strong.append({"global_batch": batch, "backend": backend,
                            "rate_1": one["samples_per_s"], "rate_2": two["samples_per_s"],
-                           "speedup": speedup, "efficiency": speedup / 2})
+                           "speedup": speedup, "efficiency": speedup / 2,
+                           # what the step itself costs, without the machine's other load
+                           "step_speedup": one["t_step"] / manual["t_step"]})
             split.append({"global_batch": batch, "backend": backend,
                           "t_comp_ms": 1e3 * manual["t_compute"],
                           "t_sync_ms": 1e3 * manual["t_comm"],
@@ -116,11 +120,11 @@ def main() -> None:
                  / 1e3 / per_sample for b in backends}
     print("\nStrong scaling, MLP, DDP (same global batch on 1 and 2 ranks)")
     print(f"{'batch':>6} {'backend':>8} {'1 rank/s':>10} {'2 ranks/s':>10} {'speedup':>8} "
-          f"{'eff':>6} {'T_comp ms':>10} {'T_sync ms':>10}")
+          f"{'eff':>6} {'T_comp ms':>10} {'T_sync ms':>10} {'step speedup':>13}")
     for s, t in zip(strong, split, strict=True):
         print(f"{s['global_batch']:>6} {s['backend']:>8} {s['rate_1']:>10.0f} {s['rate_2']:>10.0f} "
               f"{s['speedup']:>8.2f} {s['efficiency']:>6.2f} {t['t_comp_ms']:>10.2f} "
-              f"{t['t_sync_ms']:>10.2f}")
+              f"{t['t_sync_ms']:>10.2f} {s['step_speedup']:>13.2f}")
     for backend, batch in crossover.items():
         found = (f"from global batch {batch} on" if batch else f"never in {batches}")
         print(f"{backend}: two ranks beat one {found}; predicted B* = 2 T_sync / c = "
