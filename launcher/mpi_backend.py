@@ -582,10 +582,10 @@ def _create(opts, backend_options=None) -> MPIProcessGroup:
     if not dist.is_initialized():
         # the default group: every MPI rank is here, so all agree on failure and fail together
         problem = _check_world(opts.group_rank, opts.group_size, "init_process_group")
-        failed = world.allreduce(int(problem is not None), op=MPI.MAX)
+        failed = [r for r, bad in enumerate(world.allgather(problem is not None)) if bad]
         if failed:
-            raise LaunchError(problem or f"another rank's rank or world size does not match "
-                              f"MPI's ({world.size} ranks)", _HINT)
+            raise LaunchError(problem or f"MPI rank(s) {', '.join(map(str, failed))} were given "
+                              "a rank or world size that does not match MPI's", _HINT)
         return MPIProcessGroup(world.Dup(), timeout)
     problem = _check_world(dist.get_rank(), dist.get_world_size(), "the default process group")
     if problem:

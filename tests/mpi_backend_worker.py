@@ -402,6 +402,16 @@ def scenario_bad_world_size() -> None:
     emit(error=None)
 
 
+def scenario_bad_rank() -> None:
+    """Every rank claims rank 0: only the others see a mismatch, yet all must fail together."""
+    try:
+        dist.init_process_group(mpi_backend.register(), store=dist.HashStore(), rank=0,
+                                world_size=SIZE, timeout=TIMEOUT)
+    except LaunchError as error:
+        report_and_exit(error, RANK)
+    emit(error=None)
+
+
 def scenario_bad_reduce_op() -> None:
     """BAND on float32: a clear error on every rank (no rank reaches the MPI call)."""
     init_default("mpi4py")
@@ -433,6 +443,7 @@ SCENARIOS = {
     "threads": scenario_threads,
     "cuda": scenario_cuda,
     "bad-world-size": scenario_bad_world_size,
+    "bad-rank": scenario_bad_rank,
     "bad-reduce-op": scenario_bad_reduce_op,
     "timeout": scenario_timeout,
 }

@@ -140,6 +140,14 @@ def test_world_size_that_does_not_match_mpi_fails_on_every_rank():
 
 
 @pytest.mark.mpi
+def test_rank_mismatch_seen_by_some_ranks_fails_on_every_rank():
+    """rank=0 everywhere: rank 0 itself looks fine, so it must learn of the others' failure."""
+    result = run_worker(3, "bad-rank", timeout=60)
+    assert_clean_user_error(result, 3, "init_process_group has rank 0 of 3, but MPI started "
+                            "this process as rank 1", "[rank 0] error: MPI rank(s) 1, 2 were given")
+
+
+@pytest.mark.mpi
 def test_unsupported_reduction_fails_on_every_rank():
     result = run_worker(2, "bad-reduce-op", timeout=60)
     assert_clean_user_error(result, 2, "cannot reduce torch.float32 tensors with ReduceOp.BAND")
