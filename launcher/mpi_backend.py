@@ -33,8 +33,9 @@ Semantics and strategies:
   buffer, a copy; the tensor forms (all_gather_into_tensor, reduce_scatter_tensor,
   all_to_all_single with even or uneven splits) and all_reduce/broadcast/reduce don't.
 * Timeouts: every op, collective and point-to-point, is started non-blocking and polled against
-  the group's timeout. On expiry it raises ``LaunchError`` naming the op and the peer(s); the
-  MPI operation cannot be cancelled, so the process then calls ``MPI_Abort`` at exit rather than
+  the group's timeout (a per-call ``timeout`` in an op's options is not consulted). On expiry
+  it raises ``LaunchError`` naming the op and the peer (root or partner rank); the MPI
+  operation cannot be cancelled, so the process then calls ``MPI_Abort`` at exit rather than
   hang in ``MPI_Finalize``. Inside DDP's backward the error reaches the caller as a
   RuntimeError carrying the same text.
 * Dtypes: float32/64, int8/16/32/64, uint8/16/32/64, bool, complex64/128 map to MPI types.
