@@ -182,6 +182,11 @@ def test_corrupt_newest_checkpoint_is_skipped_and_resume_stays_exact(tmp_path, d
     assert "resuming from" in resumed.stdout and "(step 20, epoch 0, batch 20)" in resumed.stdout
     assert the_hash(resumed) == expected
 
+    again = train(2, tmp_path, data_dir, *RESUME_FLAGS)  # a requeue after the end: nothing to do
+    assert again.returncode == 0, again.output
+    assert "training already complete at step 178" in again.stdout
+    assert the_hash(again) == expected
+
 
 def test_sync_modes_and_world_sizes_agree(tmp_path, data_dir):
     """Synchronous SGD: DDP and the hand-written all-reduce give the same weights, and 2 ranks
