@@ -15,6 +15,7 @@ from ddp_tasks import image as image_tasks
 from ddp_tasks import image_commands as ic
 from launcher import __version__
 from launcher.errors import LaunchError
+from tests.fixtures.docker import COLD_BUILD_TIMEOUT
 
 # ------------------------------------------------------------------------------ pure builders
 
@@ -126,14 +127,20 @@ def test_every_task_parameter_is_documented(task):
 IDENTITY = f"ddp:{__version__}+cpu"
 
 
-@pytest.mark.docker
+def docker_test(function):
+    """Marked docker, with room for the cold build whichever test comes first pays for."""
+    return pytest.mark.docker(pytest.mark.timeout(COLD_BUILD_TIMEOUT)(function))
+
+
+
+@docker_test
 def test_check_passes_on_one_rank(cpu_image, run_in_image):
     status, output = run_in_image(cpu_image, ["python", "-m", "launcher.check"])
     assert status == 0, output
     assert IDENTITY in output
 
 
-@pytest.mark.docker
+@docker_test
 def test_check_passes_on_two_ranks_with_the_image_mpiexec(cpu_image, run_in_image):
     status, output = run_in_image(cpu_image, ["mpiexec", "-n", "2", "python", "-m",
                                               "launcher.check"])
@@ -141,7 +148,7 @@ def test_check_passes_on_two_ranks_with_the_image_mpiexec(cpu_image, run_in_imag
     assert IDENTITY in output
 
 
-@pytest.mark.docker
+@docker_test
 def test_mpi4py_is_built_against_the_image_mpich(cpu_image, run_in_image):
     status, output = run_in_image(cpu_image, [
         "bash", "-c", "python -c 'import mpi4py.MPI as M; print(M.Get_library_version())' "
@@ -154,7 +161,7 @@ def test_mpi4py_is_built_against_the_image_mpich(cpu_image, run_in_image):
     assert "libmpi.so.40" not in output
 
 
-@pytest.mark.docker
+@docker_test
 def test_runtime_is_lean_non_root_and_keeps_no_build_input(cpu_image, run_in_image):
     script = ("id -u; for tool in gcc cc make; do command -v $tool && echo HAS-$tool; done; "
               "ls /tmp/build-inputs /etc/pip.conf /opt/ddp/venv/pip.conf 2>&1; "
@@ -171,7 +178,7 @@ def test_runtime_is_lean_non_root_and_keeps_no_build_input(cpu_image, run_in_ima
         assert tool in output
 
 
-@pytest.mark.docker
+@docker_test
 def test_labels_and_identity(cpu_image, dockerd):
     image = dockerd.images.get(cpu_image)
     pins = ic.pins()

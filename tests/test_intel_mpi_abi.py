@@ -14,7 +14,9 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.docker
+from tests.fixtures.docker import COLD_BUILD_TIMEOUT
+
+pytestmark = [pytest.mark.docker, pytest.mark.timeout(COLD_BUILD_TIMEOUT)]
 
 IMPI_VERSION = "2021.18.1"
 HELLO = (

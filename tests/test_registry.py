@@ -11,10 +11,11 @@ import urllib.request
 import pytest
 
 from ddp_tasks import image_commands as ic
-from tests.fixtures.docker import HOST_CA_BUNDLE
+from tests.fixtures.docker import COLD_BUILD_TIMEOUT, HOST_CA_BUNDLE
 
 
 @pytest.mark.docker
+@pytest.mark.timeout(COLD_BUILD_TIMEOUT)
 def test_build_push_pull_by_digest_and_run(cpu_image, base_image, registry, dockerd,
                                            run_in_image):
     # chained as a user types it; the build reuses the cpu_image layers (same inputs)
