@@ -132,7 +132,6 @@ def docker_test(function):
     return pytest.mark.docker(pytest.mark.timeout(COLD_BUILD_TIMEOUT)(function))
 
 
-
 @docker_test
 def test_check_passes_on_one_rank(cpu_image, run_in_image):
     status, output = run_in_image(cpu_image, ["python", "-m", "launcher.check"])
