@@ -239,9 +239,7 @@ class _RequestWork(dist._Work):
     def wait(self, timeout: timedelta | None = None) -> bool:
         if not self._finished:
             self._pg._wait(self._request, self._op, self._peer, self._status)
-            if self._tensor is not None:
-                _write_back(self._tensor, self._buf)
-            self._finished = True
+            self._finish()
         return True
 
     def is_completed(self) -> bool:
@@ -249,8 +247,14 @@ class _RequestWork(dist._Work):
             with self._pg._lock:
                 done = self._request.Test(self._status)
             if done:
-                self.wait()
+                # not wait(): testing the spent request again would blank the status (source)
+                self._finish()
         return self._finished
+
+    def _finish(self) -> None:
+        if self._tensor is not None:
+            _write_back(self._tensor, self._buf)
+        self._finished = True
 
     def is_success(self) -> bool:
         return self.is_completed()

@@ -372,6 +372,25 @@ def scenario_threads() -> None:
     dist.destroy_process_group()
 
 
+def scenario_poll() -> None:
+    """Rank 0 receives from any rank, polling is_completed(); the others send their rank."""
+    init_default("mpi4py")
+    if RANK == 0:
+        sources = []
+        for _ in range(SIZE - 1):
+            t = torch.zeros(4, 2)[:, 0]  # non-contiguous: the data arrives at completion
+            work = dist.irecv(t)
+            while not work.is_completed():
+                time.sleep(0.001)
+            source = work._source_rank()
+            sources.append(source if torch.equal(t, torch.full((4,), float(source))) else -1)
+        emit(sources=sorted(sources))
+    else:
+        dist.send(torch.full((4,), float(RANK)), dst=0)
+        emit(sources=None)
+    dist.destroy_process_group()
+
+
 def scenario_cuda() -> None:
     """CUDA tensors (staged through host memory unless MPI is CUDA-aware) vs the same on CPU."""
     init_default("mpi4py")
@@ -441,6 +460,7 @@ SCENARIOS = {
     "ddp": scenario_ddp,
     "subgroup": scenario_subgroup,
     "threads": scenario_threads,
+    "poll": scenario_poll,
     "cuda": scenario_cuda,
     "bad-world-size": scenario_bad_world_size,
     "bad-rank": scenario_bad_rank,

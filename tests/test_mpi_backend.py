@@ -122,6 +122,13 @@ def test_subgroup_runs_on_its_members_only():
     assert all(r["world_sum"] == 3.0 for r in reports)
 
 
+@pytest.mark.mpi
+def test_polled_receive_from_any_rank_reports_sender_and_data():
+    result = run_worker(3, "poll", timeout=60)
+    assert result.returncode == 0, result.output
+    assert by_rank(json_objects(result.stdout), 3)[0]["sources"] == [1, 2], result.output
+
+
 def assert_clean_user_error(result, ranks: int, *phrases: str) -> None:
     assert result.returncode != 0, result.output
     for rank in range(ranks):
