@@ -598,5 +598,9 @@ def _create(opts, backend_options=None) -> MPIProcessGroup:
     if ranks == list(range(world.size)):
         comm = world.Dup()
     else:
-        comm = world.Create_group(world.group.Incl(ranks))
+        world_group = world.Get_group()
+        members = world_group.Incl(ranks)
+        comm = world.Create_group(members)  # collective over the members only
+        members.Free()
+        world_group.Free()
     return MPIProcessGroup(comm, timeout)
