@@ -36,8 +36,8 @@ Semantics and strategies:
   the group's timeout (a per-call ``timeout`` in an op's options is not consulted). On expiry
   it raises ``LaunchError`` naming the op and the peer (root or partner rank); the MPI
   operation cannot be cancelled, so the process then calls ``MPI_Abort`` at exit rather than
-  hang in ``MPI_Finalize``. Inside DDP's backward the error reaches the caller as a
-  RuntimeError carrying the same text.
+  hang in ``MPI_Finalize``. Inside DDP's backward the same LaunchError comes out of
+  ``loss.backward()``.
 * Dtypes: float32/64, int8/16/32/64, uint8/16/32/64, bool, complex64/128 map to MPI types.
   float16/bfloat16 have no MPI type: data movement sends raw 16-bit words; reductions are
   computed in float32 and rounded back once, so results can differ from gloo (which rounds

@@ -455,6 +455,22 @@ def scenario_timeout() -> None:
     emit(error=None)
 
 
+def scenario_ddp_timeout() -> None:
+    """The last rank never runs backward: the others' gradient all_reduce inside DDP times out
+    and the backend's error comes out of loss.backward(), not a hang."""
+    dist.init_process_group(mpi_backend.register(), store=dist.HashStore(), rank=RANK,
+                            world_size=SIZE, timeout=datetime.timedelta(seconds=2))
+    ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4))
+    if RANK == SIZE - 1:
+        time.sleep(60)
+        sys.exit(0)
+    try:
+        ddp(torch.randn(2, 4)).sum().backward()
+    except LaunchError as error:  # pybind hands the backend's own exception through autograd
+        report_and_exit(error, RANK)
+    emit(error=None)
+
+
 SCENARIOS = {
     "compare": scenario_compare,
     "ddp": scenario_ddp,
@@ -466,6 +482,7 @@ SCENARIOS = {
     "bad-rank": scenario_bad_rank,
     "bad-reduce-op": scenario_bad_reduce_op,
     "timeout": scenario_timeout,
+    "ddp-timeout": scenario_ddp_timeout,
 }
 
 if __name__ == "__main__":

@@ -195,3 +195,12 @@ def test_cuda_tensors_give_the_same_results_as_cpu_tensors():
     result = run_worker(2, "cuda", timeout=120)
     assert result.returncode == 0, result.output
     assert all(r["same"] for r in by_rank(json_objects(result.stdout), 2)), result.output
+
+
+@pytest.mark.mpi
+def test_timeout_inside_ddp_backward_surfaces_from_backward():
+    result = run_worker(2, "ddp-timeout", timeout=45)
+    assert result.returncode != 0, result.output
+    assert ("[rank 0] error: all_reduce on a group of 2 ranks did not complete within 0:00:02"
+            in result.stderr), result.output
+    assert "Traceback" not in result.stderr, result.output
