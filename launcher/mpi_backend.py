@@ -104,6 +104,10 @@ _LOGICAL = {_RedOp.SUM: MPI.LOR, _RedOp.MAX: MPI.LOR, _RedOp.BOR: MPI.LOR,
 
 _CPU = torch.device("cpu")
 
+#: int32 words of the all_reduce each new communicator checks itself with: 4 MiB, above
+#: MPICH's threshold for single-copy (CMA) transfers even when split among many ranks
+_PROBE_WORDS = 1 << 20
+
 #: polls of a request (about 1 us each from Python) before each further poll gives up the
 #: CPU: MPICH spins for about as long (1000 polls of its own) before it yields
 _POLLS_BEFORE_YIELD = 50
@@ -321,6 +325,28 @@ class MPIProcessGroup(dist.ProcessGroup):
         """Free the communicator (destroy_process_group calls this on every rank)."""
         if self._comm != MPI.COMM_NULL:
             self._comm.Free()
+
+    def _check_transport(self) -> None:
+        """All-reduce a known pattern and fail on every rank if any got wrong data.
+
+        MPICH copies large intra-node messages with process_vm_readv (CMA). Docker's default
+        seccomp profile forbids that call, and MPICH 5.0.2's non-blocking collectives (which
+        this backend uses) then complete with wrong data instead of an error.
+        """
+        probe = torch.full((_PROBE_WORDS,), self._rank_ + 1, dtype=torch.int32)
+        self._run("transport check all_reduce", None, self._comm.Iallreduce, MPI.IN_PLACE,
+                  _spec(probe), MPI.SUM)
+        good = bool((probe == self._size_ * (self._size_ + 1) // 2).all())
+        bad = [r for r, ok in enumerate(self._comm.allgather(good)) if not ok]
+        if bad:
+            raise LaunchError(
+                f"MPI delivered wrong data in a 4 MiB test all_reduce (wrong on rank(s) "
+                f"{', '.join(map(str, bad))} of this group)",
+                "MPICH's single-copy transfers (CMA, process_vm_readv) are blocked here, as "
+                "under Docker's default seccomp profile: set MPIR_CVAR_CH4_CMA_ENABLE=0 (the "
+                "project's image does), or allow ptrace between ranks (docker run --cap-add "
+                "SYS_PTRACE)",
+            )
 
     # -- waiting ---------------------------------------------------------------------------
 
@@ -591,7 +617,7 @@ def _create(opts, backend_options=None) -> MPIProcessGroup:
         if failed:
             raise LaunchError(problem or f"MPI rank(s) {', '.join(map(str, failed))} were given "
                               "a rank or world size that does not match MPI's", _HINT)
-        return MPIProcessGroup(world.Dup(), timeout)
+        return _checked(MPIProcessGroup(world.Dup(), timeout))
     problem = _check_world(dist.get_rank(), dist.get_world_size(), "the default process group")
     if problem:
         raise LaunchError(f"cannot create a {BACKEND_NAME} group: {problem}", _HINT)
@@ -603,4 +629,9 @@ def _create(opts, backend_options=None) -> MPIProcessGroup:
         comm = world.Create_group(members)  # collective over the members only
         members.Free()
         world_group.Free()
-    return MPIProcessGroup(comm, timeout)
+    return _checked(MPIProcessGroup(comm, timeout))
+
+
+def _checked(pg: MPIProcessGroup) -> MPIProcessGroup:
+    pg._check_transport()
+    return pg

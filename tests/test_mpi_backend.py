@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from launcher import mpi_backend
 from launcher.errors import LaunchError
+from tests.fixtures.docker import COLD_BUILD_TIMEOUT
 from tests.fixtures.mpi import json_objects, run_mpi
 
 WORKER = "tests/mpi_backend_worker.py"
@@ -204,3 +205,35 @@ def test_timeout_inside_ddp_backward_surfaces_from_backward():
     assert ("[rank 0] error: all_reduce on a group of 2 ranks did not complete within 0:00:02"
             in result.stderr), result.output
     assert "Traceback" not in result.stderr, result.output
+
+
+# init the default group in the image; a LaunchError is printed per rank, exit status 2
+INIT_IN_IMAGE = """
+import torch.distributed as dist
+from mpi4py import MPI
+from launcher import mpi_backend
+from launcher.errors import LaunchError, report_and_exit
+try:
+    dist.init_process_group(mpi_backend.register(), store=dist.HashStore(),
+                            rank=MPI.COMM_WORLD.rank, world_size=MPI.COMM_WORLD.size)
+except LaunchError as error:
+    report_and_exit(error, MPI.COMM_WORLD.rank)
+print("group ok", flush=True)
+"""
+
+
+@pytest.mark.docker
+@pytest.mark.timeout(COLD_BUILD_TIMEOUT)
+def test_blocked_single_copy_transfers_are_caught_in_docker(cpu_image, run_in_image):
+    """Docker's seccomp profile forbids process_vm_readv: with MPICH's CMA switched back on,
+    Iallreduce returns wrong sums, and the backend's transport check must refuse the group on
+    every rank. The image's own setting (CMA off) must pass the same check."""
+    command = ["mpiexec", "-n", "2", "python", "-c", INIT_IN_IMAGE]
+    status, output = run_in_image(cpu_image, command,
+                                  environment={"MPIR_CVAR_CH4_CMA_ENABLE": "1"})
+    assert status != 0, output
+    for rank in (0, 1):
+        assert f"[rank {rank}] error: MPI delivered wrong data" in output, output
+        assert f"[rank {rank}] HINT: " in output and "MPIR_CVAR_CH4_CMA_ENABLE=0" in output
+    status, output = run_in_image(cpu_image, command)
+    assert status == 0 and output.count("group ok") == 2, output
