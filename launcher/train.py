@@ -201,18 +201,17 @@ class Trainer:
     def save(self) -> str:
         """Collective: rank 0 writes the checkpoint; every rank learns whether that worked."""
         state = self._state()
-        path, error = "", None
+        directory, step, error = self.config.checkpoint_dir, self.position.step, None
         if self.env.is_main:
             try:
-                path = str(checkpoint.save(self.config.checkpoint_dir, self.position.step, state,
-                                           self.config.keep))
+                checkpoint.save(directory, step, state, self.config.keep)
             except OSError as exc:
                 error = LaunchError(f"cannot write a checkpoint to {self.config.checkpoint_dir}: "
                                     f"{exc}", hint="check free space and permissions of "
                                     "--run-dir")
         raise_if_any_rank_failed(error)
-        self.last_saved = self.position.step
-        return path
+        self.last_saved = step
+        return str(directory / checkpoint.checkpoint_name(step))
 
     # --- the loop ---------------------------------------------------------------------------
 
