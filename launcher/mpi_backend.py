@@ -19,6 +19,10 @@ other's messages: the world group a ``Dup`` of COMM_WORLD, ``dist.new_group(rank
 ``Create_group`` over those ranks (ranks of the default group, which must be MPI's ranks; the
 default group may be another backend, e.g. gloo, launched with MPI's rank and size).
 
+Every new communicator first all-reduces a known 4 MiB pattern and, if any rank got wrong
+data, raises LaunchError on every rank: MPICH's non-blocking collectives return wrong sums
+when its single-copy transfers (CMA) are blocked, as under Docker's default seccomp profile.
+
 Semantics and strategies:
 
 * Collectives run to completion inside the call (``async_op=True`` returns a finished Work;
