@@ -211,7 +211,8 @@ def test_sync_modes_and_world_sizes_agree(tmp_path, data_dir):
 def user_models(tmp_path) -> dict[str, str]:
     (tmp_path / "mymodels.py").write_text(
         "import torch.nn as nn\n"
-        "def seven():\n    return nn.Sequential(nn.Flatten(), nn.Linear(784, 7))\n")
+        "def seven():\n    return nn.Sequential(nn.Flatten(), nn.Linear(784, 7))\n"
+        "def linear():\n    return nn.Sequential(nn.Flatten(), nn.Linear(784, 10))\n")
     return {"PYTHONPATH": f"{tmp_path}{os.pathsep}{Path(__file__).resolve().parents[1]}"}
 
 
@@ -261,7 +262,7 @@ def test_bad_input_stops_every_rank_with_a_hint(tmp_path, data_dir, user_models,
     assert not list(run_dir.glob("checkpoints/*"))
 
 
-def test_resume_with_another_world_size_is_refused(tmp_path, data_dir):
+def test_resume_with_another_world_size_or_other_settings_is_refused(tmp_path, data_dir):
     first = train(1, tmp_path, data_dir, "--max-steps", "2", "--epochs", "1")
     assert first.returncode == 0, first.output
     second = train(2, tmp_path, data_dir, "--epochs", "1")
@@ -270,6 +271,19 @@ def test_resume_with_another_world_size_is_refused(tmp_path, data_dir):
         assert f"[rank {rank}] error: " in second.stderr
     assert "written by 1 ranks, this run has 2" in second.stderr
     assert "HINT: resume with 1 ranks" in second.stderr
+    third = train(1, tmp_path, data_dir, "--epochs", "1", "--lr", "0.2")
+    assert third.returncode == EXIT_USER_ERROR, third.output
+    assert "belongs to a run with other settings: --lr 0.1 (now 0.2)" in third.stderr
+    assert "HINT: resume with the same flags" in third.stderr
+
+
+def test_user_model_trains(tmp_path, data_dir, user_models):
+    result = train(2, tmp_path / "run", data_dir, "--model", "mymodels:linear", "--epochs", "1",
+                   env=user_models)
+    assert result.returncode == 0, result.output
+    the_hash(result)
+    (evaluation,) = metrics(tmp_path / "run", "eval")
+    assert evaluation["test_accuracy"] > 0.5
 
 
 def test_ddp_equals_manual_for_cnn_with_batch_norm_dropout_and_accumulation(tmp_path, data_dir):
