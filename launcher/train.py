@@ -282,6 +282,8 @@ class Trainer:
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # kernels run asynchronously: wait to time them
         times.optimizer = time.perf_counter() - t0
         times.comm = self.comm_seconds[0]
         return total_loss, times, time.perf_counter() - started
