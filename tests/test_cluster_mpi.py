@@ -16,7 +16,8 @@ from launcher.errors import LaunchError
 from tests.fixtures.cluster import invoke_run, param_hashes
 from tests.fixtures.mpi import json_objects
 
-TRAIN = "--epochs 1 --log-every 5"
+#: one epoch of digits; the global batch divides into 2 and 3 ranks
+TRAIN = "--epochs 1 --global-batch-size 48 --log-every 5"
 
 
 # --- the compose file (pure) ----------------------------------------------------------------
@@ -78,7 +79,7 @@ def test_image_holds_no_keys(compose_mpi, cpu_image):
 def test_check_across_nodes(compose_mpi, nodes, backend):
     result = invoke_run(compose_mpi, nodes, "launcher.check", f"--backend {backend} --json")
     assert result.returncode == 0, result.stdout
-    reports = [obj for obj in json_objects(result.stdout) if "rank" in obj]
+    reports = [rank for obj in json_objects(result.stdout) for rank in obj.get("ranks", ())]
     hosts = {report["rank"]: report["host"] for report in reports}
     assert hosts == {rank: f"node{rank}" for rank in range(nodes)}, result.stdout
 
@@ -105,7 +106,8 @@ def test_node_local_and_shared_data_give_the_same_model(compose_mpi):
     hashes = {}
     for kind, data_dir in (("local", "/tmp/ddp-data"), ("shared", "/shared/data")):
         result = invoke_run(compose_mpi, 2, "launcher.train",
-                            f"{TRAIN} --data-dir {data_dir} --run-dir /shared/runs/data-{kind}")
+                            f"{TRAIN} --max-steps 5 --data-dir {data_dir} "
+                            f"--run-dir /shared/runs/data-{kind}")
         assert result.returncode == 0, result.stdout
         found = param_hashes(result.stdout)
         assert sorted(found) == [0, 1], result.stdout

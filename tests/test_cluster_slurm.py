@@ -68,7 +68,8 @@ def test_srun_check_places_ranks_by_slurm_variables(compose_slurm):
 
     output = compose_slurm.check(LOGIN, srun_command("launcher.check", "--json"),
                                  timeout=JOB_TIMEOUT)
-    reports = sorted((o for o in json_objects(output) if "rank" in o), key=lambda o: o["rank"])
+    reports = sorted((rank for obj in json_objects(output) for rank in obj.get("ranks", ())),
+                     key=lambda report: report["rank"])
     places = [(r["rank"], r["host"], r["node_rank"], r["local_rank"]) for r in reports]
     assert places == [(0, "node0", 0, 0), (1, "node0", 0, 1),
                       (2, "node1", 1, 0), (3, "node1", 1, 1)], output
