@@ -65,6 +65,8 @@ def main() -> int:
     size = client.images.get(ic.image_tag(ic.DEFAULT_NAME, "cpu")).attrs["Size"]
     results["size_gb"] = size / 1e9
     results["machine"] = f"{platform.node()} {platform.machine()}, {os.cpu_count()} cores"
+    # the machine is shared: a busy one explains slow figures
+    results["load_average_1min_at_end"] = os.getloadavg()[0]
 
     rows = [("cold build (no cache)", results["cold_s"], "s", None, results["cold_steps_run"]),
             ("no-op rebuild", results["noop_s"], "s", None, results["noop_steps_run"]),
@@ -77,6 +79,8 @@ def main() -> int:
         ok = "" if goal is None or value is None else ("yes" if value <= goal else "NO")
         goal_text = "" if goal is None else f"<= {goal} {unit}"
         print(f"{name:34} {shown:>10}  {'' if steps is None else steps:>9}  {goal_text:>9}  {ok}")
+    print(f"load average (1 min) at the end: {results['load_average_1min_at_end']:.1f} "
+          f"on {os.cpu_count()} cores")
     Path(args.json).write_text(json.dumps({"results": results, "goals": GOALS}, indent=2) + "\n")
     print(f"wrote {args.json}")
     return 0
