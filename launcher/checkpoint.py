@@ -16,16 +16,15 @@ from __future__ import annotations
 
 import hashlib
 import io
-import os
 import random
 import re
 import struct
-import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from launcher.atomic import write_atomic
 from launcher.errors import LaunchError
 
 MAGIC = b"DDPCKPT1"
@@ -64,27 +63,6 @@ def decode(data: bytes, source: str, map_location: torch.device | str = "cpu") -
     if hashlib.sha256(payload).digest() != digest:
         raise CorruptCheckpoint(f"{source} fails its SHA-256 check (damaged)", hint=hint)
     return torch.load(io.BytesIO(payload), map_location=map_location, weights_only=True)
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that no reader ever sees a partial file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    # the rename itself must reach the disk, or a crash could bring the old directory back
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
 
 
 def save(directory: Path, step: int, state: dict, keep: int) -> Path:

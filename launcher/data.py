@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import gzip
 import importlib.util
-import os
+import io
 import pickle
 import struct
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +22,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from launcher.atomic import write_atomic
 from launcher.errors import LaunchError
 from launcher.process_group import raise_if_any_rank_failed
 
@@ -205,20 +205,11 @@ def read_idx(path: Path) -> np.ndarray:
 # --- the cache ---------------------------------------------------------------------------------
 
 def _write_cache(path: Path, arrays: dict[str, np.ndarray]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
     tensors = {key: torch.from_numpy(np.ascontiguousarray(value)) for key, value in arrays.items()}
-    # a unique temp name then rename: a reader never sees half a file, and two nodes sharing
-    # the directory both write complete (identical) files
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(tensors, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    buffer = io.BytesIO()
+    torch.save(tensors, buffer)
+    # atomic, so two nodes sharing the directory both leave one complete (identical) file
+    write_atomic(path, buffer.getvalue())
 
 
 def _read_cache(name: str, path: Path) -> Dataset:

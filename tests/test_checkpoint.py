@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from launcher import checkpoint
+from launcher import atomic, checkpoint
 from launcher.checkpoint import CorruptCheckpoint
 
 STATE = {"step": 7, "model": {"w": torch.arange(6.0).view(2, 3)}, "note": "x"}
@@ -89,13 +89,13 @@ def test_writer_killed_mid_write_leaves_no_visible_file(tmp_path):
 
 def test_only_a_temp_name_exists_before_the_rename(tmp_path, monkeypatch):
     seen = []
-    real_replace = checkpoint.os.replace
+    real_replace = atomic.os.replace
 
     def spy(src, dst):
         seen.append(sorted(p.name for p in tmp_path.iterdir()))
         real_replace(src, dst)
 
-    monkeypatch.setattr(checkpoint.os, "replace", spy)
+    monkeypatch.setattr(atomic.os, "replace", spy)
     checkpoint.save(tmp_path, 3, STATE, keep=3)
     assert len(seen) == 1 and len(seen[0]) == 1 and seen[0][0].endswith(".tmp")
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt-00000003.pt"]
