@@ -19,10 +19,11 @@ from tests.fixtures.docker import COLD_BUILD_TIMEOUT
 pytestmark = [pytest.mark.docker, pytest.mark.timeout(COLD_BUILD_TIMEOUT)]
 
 IMPI_VERSION = "2021.18.1"
+# one write per line: the image runs Python unbuffered, and two ranks share one pipe
 HELLO = (
-    "from mpi4py import MPI; c = MPI.COMM_WORLD; s = c.allreduce(c.Get_rank() + 1); "
-    "print(f'rank {c.Get_rank()}/{c.Get_size()} sum {s} |', "
-    "MPI.Get_library_version().splitlines()[0], flush=True)"
+    "import os; from mpi4py import MPI; c = MPI.COMM_WORLD; s = c.allreduce(c.Get_rank() + 1); "
+    "os.write(1, f'rank {c.Get_rank()}/{c.Get_size()} sum {s} | "
+    "{MPI.Get_library_version().splitlines()[0]}\\n'.encode())"
 )
 # one node: shared memory only, and ranks forked locally instead of over ssh
 IMPI_ENV = {"I_MPI_FABRICS": "shm", "I_MPI_HYDRA_BOOTSTRAP": "fork"}
