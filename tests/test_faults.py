@@ -55,9 +55,15 @@ def ranks_running(cluster: Cluster, hosts) -> list[str]:
             if cluster.exec(host, f"pgrep -x '{PYTHON}'").returncode == 0]
 
 
-def signal_ranks(cluster: Cluster, hosts, signal: str) -> None:
+def freeze(cluster: Cluster, hosts) -> None:
     for host in hosts:
-        cluster.check(host, f"kill -{signal} $(pgrep -x '{PYTHON}')")
+        cluster.check(host, f"kill -STOP $(pgrep -x '{PYTHON}')")
+
+
+def thaw(cluster: Cluster, hosts) -> None:
+    """Let the ranks on HOSTS go on; mpiexec may have ended some already (after a kill)."""
+    for host in hosts:
+        cluster.exec(host, f"pids=$(pgrep -x '{PYTHON}') && kill -CONT $pids")
 
 
 def finish(process: subprocess.Popen, timeout: float) -> tuple[int, str]:
@@ -106,9 +112,9 @@ def test_lost_node_ends_every_rank_then_resume_completes(start_compose_mpi, faul
                "the first checkpoint")
     assert training.poll() is None, training.communicate()[0]
 
-    signal_ranks(cluster, cluster.hosts, "STOP")
+    freeze(cluster, cluster.hosts)
     inflict(cluster, lost)
-    signal_ranks(cluster, survivors, "CONT")
+    thaw(cluster, survivors)
     faulted = time.monotonic()
     wait_until(lambda: not ranks_running(cluster, survivors), EXIT_WITHIN,
                f"every rank on {survivors} to exit after {fault} of {lost}")
