@@ -63,9 +63,11 @@ def allreduce(prefix: str, nodes: int) -> dict | None:
     subprocess.run(["docker", "cp", str(ALLREDUCE), f"{node0}:/shared/allreduce.py"],
                    check=True, timeout=60)
     hosts = ",".join(cl.hosts(nodes))
+    # gloo's rendezvous address: the script's default (loopback) only serves one machine
     subprocess.run(["docker", "exec", node0, "mpiexec", "-launcher", "ssh", "-hosts", hosts,
-                    "-n", str(nodes), "-ppn", "1", "python", "/shared/allreduce.py", "--json",
-                    "/shared/allreduce.json"], check=True, timeout=RUN_TIMEOUT)
+                    "-n", str(nodes), "-ppn", "1", "-genv", "MASTER_ADDR", "node0", "python",
+                    "/shared/allreduce.py", "--json", "/shared/allreduce.json"], check=True,
+                   timeout=RUN_TIMEOUT)
     text = subprocess.run(["docker", "exec", node0, "cat", "/shared/allreduce.json"],
                           check=True, capture_output=True, text=True, timeout=60).stdout
     return json.loads(text)
@@ -75,13 +77,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--image", default=cl.DEFAULT_IMAGE, help="project image (ddp:cpu)")
     parser.add_argument("--nodes", type=int, default=2, help="cluster size (default 2)")
-    parser.add_argument("--json", default=str(ROOT / "benchmarks" / "cluster.json"),
-                        help="where to write the results (default benchmarks/cluster.json)")
+    parser.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "cluster.json"),
+                        help="where to write the results (default: benchmarks/results/)")
     args = parser.parse_args()
 
     project = f"ddpbench{os.getpid()}"
     prefix = f"{project}-"
-    results: dict[str, object] = {"nodes": args.nodes}
+    # other jobs on the machine move every figure: the load they made is part of the result
+    results: dict[str, object] = {"nodes": args.nodes, "load_average": os.getloadavg()}
     try:
         results["healthy_s"] = cl.up_mpi(args.nodes, project, prefix, args.image)
         results["first_step_s"], results["run_s"] = time_to_first_step(project, prefix,
