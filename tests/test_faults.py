@@ -41,7 +41,8 @@ def start_training(cluster: Cluster, nodes: int, args: str) -> subprocess.Popen:
 def wait_until(predicate, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
-        assert time.monotonic() < deadline, f"timed out after {timeout} s waiting for {what}"
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout} s waiting for {what}")
         time.sleep(0.2)
 
 
