@@ -5,8 +5,9 @@
 #   docker build -f docker/slurm.Dockerfile --build-arg BASE_IMAGE=ddp:cpu -t ddp-slurm:cpu docker
 ARG BASE_IMAGE=ddp:cpu
 FROM ${BASE_IMAGE}
-# the daemons need root; job steps run as whoever submits (root inside this cluster)
-USER root
+# slurmd, slurmctld and munged's set-up need root (job steps run as whoever submits)
+# hadolint ignore=DL3002
+USER 0
 SHELL ["/bin/bash", "-euo", "pipefail", "-c"]
 # hadolint ignore=DL3008
 RUN apt-get update \
