@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 
@@ -26,9 +27,21 @@ class LaunchError(Exception):
 #: exit status for errors the user can fix (bad input, bad environment)
 EXIT_USER_ERROR = 2
 
+#: exit status when a peer was lost mid-job (node died, network cut, a rank stuck): rerun,
+#: and ``--resume auto`` continues from the last checkpoint
+EXIT_PEER_LOST = 3
+
 #: exit status after a preemption signal was handled and a checkpoint saved: sysexits'
 #: EX_TEMPFAIL ("try again later"); batch scripts turn it into ``scontrol requeue``
 EXIT_PREEMPTED = 75
+
+
+class PeerLost(LaunchError):
+    """Communication with another rank failed or timed out.
+
+    The process must then exit at once: a normal exit runs ``MPI_Finalize`` (mpi4py registers
+    it), which waits for the lost rank forever.
+    """
 
 
 def report_and_exit(error: LaunchError, rank: int | None = None) -> None:
@@ -36,4 +49,7 @@ def report_and_exit(error: LaunchError, rank: int | None = None) -> None:
     prefix = f"[rank {rank}] " if rank is not None else ""
     for line in str(error).splitlines():
         print(f"{prefix}{line}", file=sys.stderr, flush=True)
+    if isinstance(error, PeerLost):
+        sys.stdout.flush()
+        os._exit(EXIT_PEER_LOST)
     sys.exit(EXIT_USER_ERROR)

@@ -73,7 +73,7 @@ import torch.distributed as dist
 from mpi4py import MPI
 from torch._C._distributed_c10d import _create_work_from_future
 
-from launcher.errors import LaunchError
+from launcher.errors import LaunchError, PeerLost
 
 BACKEND_NAME = "mpi4py"
 
@@ -378,7 +378,7 @@ class MPIProcessGroup(dist.ProcessGroup):
             if time.monotonic() > deadline:
                 _abort_at_exit()
                 what = op if peer is None else f"{op} {peer}"
-                raise LaunchError(
+                raise PeerLost(
                     f"{what} on a group of {self._size_} ranks did not complete within "
                     f"{timedelta(seconds=self._timeout_s)} (this is rank {self._rank_})",
                     "a peer stopped early, is stuck, or the ranks called collectives in a "

@@ -13,6 +13,8 @@ always destroys the group again, also when the body raises. Backend names the us
 from __future__ import annotations
 
 import dataclasses
+import re
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -21,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from launcher.env import JobEnv, local_device_index
-from launcher.errors import LaunchError
+from launcher.errors import LaunchError, PeerLost
 
 BACKEND_CHOICES = ("auto", "nccl", "gloo", "mpi")
 
@@ -72,39 +74,124 @@ def bind_device(env: JobEnv, cuda_available: bool) -> torch.device:
 def process_group(
     env: JobEnv, backend: str = "auto", timeout_s: float = 300.0
 ) -> Iterator[DistContext]:
-    """Initialise torch.distributed for ``env``; destroy it on exit whatever happens."""
+    """Initialise torch.distributed for ``env``; tear it down on exit whatever happens.
+
+    A communication failure inside the body (a peer died, the network was cut, a collective
+    timed out) comes out as ``PeerLost`` naming the ranks and hosts that stopped answering.
+    """
     cuda_available = torch.cuda.is_available()
     name = select_backend(backend, cuda_available, dist.is_mpi_available())
     device = bind_device(env, cuda_available)
-    env = _init(env, name, timedelta(seconds=timeout_s))
+    env, store = _init(env, name, timedelta(seconds=timeout_s))
+    healthy = True
     try:
         yield DistContext(env=env, backend=name, device=device)
+    except PeerLost:
+        healthy = False
+        raise
+    except Exception as exc:
+        if not _is_communication_failure(exc):
+            raise
+        healthy = False
+        raise _peer_lost(env, name, store, exc) from None
     finally:
-        if dist.is_initialized():
+        # tearing down a group with a lost peer can block on that peer: the caller exits
+        # the process instead (launcher.errors.report_and_exit)
+        if healthy and dist.is_initialized():
             dist.destroy_process_group()
 
 
-def _init(env: JobEnv, name: str, timeout: timedelta) -> JobEnv:
+def _init(env: JobEnv, name: str, timeout: timedelta) -> tuple[JobEnv, dist.Store | None]:
     if name == "mpi":
         dist.init_process_group("mpi", timeout=timeout)
-        return env
+        return env, None
     if name != "gloo" and name != "nccl":
         # the mpi4py backend rendezvouses through MPI; the store only satisfies torch's API
         dist.init_process_group(
             name, store=dist.HashStore(), rank=env.rank, world_size=env.world_size, timeout=timeout
         )
-        return env
+        return env, None
     from launcher.rendezvous import resolve_rendezvous
 
     env = resolve_rendezvous(env)
-    url = f"tcp://{_bracket_ipv6(env.master_addr)}:{env.master_port}"
     try:
+        # our own store, so that a failure later can ask it which ranks still answer
+        store = dist.TCPStore(
+            env.master_addr, env.master_port, env.world_size, is_master=env.is_main,
+            timeout=timeout,
+        )
+        store.set(f"{_HOST_KEY}/{env.rank}", env.hostname)
         dist.init_process_group(
-            name, init_method=url, rank=env.rank, world_size=env.world_size, timeout=timeout
+            name, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout
         )
     except (RuntimeError, ValueError) as exc:
         raise _rendezvous_error(env, name, exc) from None
-    return env
+    return env, store
+
+
+#: what torch and gloo put around the one useful clause: "[/path/pair.cc:553] " and
+#: "Got the following error when running the callback: RuntimeError: " (repeated)
+_NOISE = re.compile(
+    r"\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*|Got the following error when running the callback: \w+: "
+)
+_HOST_KEY = "ddp/host"
+_ALIVE_KEY = "ddp/alive"
+#: how long survivors of a failure wait for each other to answer the roll call
+ROLL_CALL_S = 10.0
+_COMMUNICATION_WORDS = re.compile(
+    r"gloo|nccl|timed out|timeout|connection|socket|peer|broken pipe", re.IGNORECASE
+)
+
+
+def _is_communication_failure(exc: BaseException) -> bool:
+    if isinstance(exc, dist.DistError):
+        return True
+    return isinstance(exc, RuntimeError) and bool(_COMMUNICATION_WORDS.search(str(exc)))
+
+
+def _peer_lost(env: JobEnv, backend: str, store: dist.Store | None,
+               exc: BaseException) -> PeerLost:
+    first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    first_line = _NOISE.sub("", first_line).split(". This is typically")[0]
+    who = _roll_call(env, store) if store is not None else None
+    return PeerLost(
+        f"rank {env.rank} on {env.hostname} lost contact in the {backend} process group"
+        + (f": {who}" if who else "") + f" ({first_line})",
+        hint="look at the named node (died, out of memory, cut off the network); then run the "
+        "same command again: --resume auto continues from the last checkpoint",
+    )
+
+
+def _roll_call(env: JobEnv, store: dist.Store) -> str:
+    """Which ranks still answer through the rendezvous store (hosted by rank 0)."""
+    try:
+        silent = _silent_ranks(env, store)
+        hosts = [_host_of(store, rank) for rank in silent]
+    except Exception:  # any failure means the same: the store is gone
+        return (f"rank 0's rendezvous store at {env.master_addr}:{env.master_port} does not "
+                f"answer either: rank 0's node is lost, or {env.hostname} is cut off")
+    if not silent:
+        return "every rank still answers the rendezvous store"
+    names = ", ".join(f"rank {rank} ({host})" for rank, host in zip(silent, hosts, strict=True))
+    return f"no answer within {ROLL_CALL_S:.0f} s from {names}"
+
+
+def _silent_ranks(env: JobEnv, store: dist.Store) -> list[int]:
+    store.set(f"{_ALIVE_KEY}/{env.rank}", env.hostname)
+    deadline = time.monotonic() + ROLL_CALL_S
+    silent = []
+    for rank in range(env.world_size):
+        remaining = timedelta(seconds=max(0.1, deadline - time.monotonic()))
+        try:
+            store.wait([f"{_ALIVE_KEY}/{rank}"], remaining)
+        except dist.DistStoreError:  # the wait timed out: that rank did not answer
+            silent.append(rank)
+    return silent
+
+
+def _host_of(store: dist.Store, rank: int) -> str:
+    key = f"{_HOST_KEY}/{rank}"
+    return store.get(key).decode() if store.check([key]) else "?"
 
 
 def _bracket_ipv6(addr: str | None) -> str:

@@ -1,0 +1,82 @@
+"""A rank that dies mid-training: the survivors exit within a minute with status 3, naming it.
+
+Plain processes with torchrun's variables, not mpiexec: Hydra and torchrun kill every rank as
+soon as one dies, which hides what the survivors would do on a real multi-node job (ssh-started
+ranks, or a node whose network is cut). The compose-cluster tests repeat this across
+containers.
+"""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from launcher.errors import EXIT_PEER_LOST
+from tests.fixtures.mpi import REPO_ROOT, clean_environ
+
+WORLD = 3
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_ranks(tmp_path) -> list[subprocess.Popen]:
+    port = _free_port()
+    ranks = []
+    for rank in range(WORLD):
+        env = clean_environ({
+            "RANK": str(rank), "WORLD_SIZE": str(WORLD), "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(WORLD), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+        })
+        ranks.append(subprocess.Popen(
+            [sys.executable, "-m", "launcher.train", "--epochs", "200", "--global-batch-size",
+             "48", "--run-dir", str(tmp_path), "--timeout-s", "30", "--backend", "gloo",
+             "--threads", "1"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO_ROOT,
+        ))
+    return ranks
+
+
+def _wait_until_training(rank0: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = rank0.stdout.readline()
+        if line.startswith("step "):
+            return
+        if not line and rank0.poll() is not None:
+            pytest.fail(f"rank 0 ended before training: {rank0.stderr.read()}")
+    pytest.fail("no training step within the time limit")
+
+
+@pytest.mark.parametrize("victim", [2, 0], ids=["worker-dies", "rank0-dies"])
+def test_survivors_exit_naming_the_lost_rank(tmp_path, victim):
+    ranks = _start_ranks(tmp_path)
+    try:
+        _wait_until_training(ranks[0])
+        ranks[victim].send_signal(signal.SIGKILL)
+        killed_at = time.monotonic()
+        for rank, process in enumerate(ranks):
+            if rank == victim:
+                continue
+            _, stderr = process.communicate(timeout=60)
+            assert process.returncode == EXIT_PEER_LOST, stderr
+            assert time.monotonic() - killed_at < 60
+            assert f"[rank {rank}] error: rank {rank} on " in stderr
+            assert "Traceback" not in stderr
+            if victim == 0:
+                assert "rank 0's rendezvous store" in stderr and "does not answer" in stderr
+            else:
+                assert f"rank {victim} (" in stderr, stderr
+            assert "HINT:" in stderr and "--resume auto" in stderr
+    finally:
+        for process in ranks:
+            process.kill()
+            process.communicate()
