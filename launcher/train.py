@@ -153,6 +153,8 @@ class Trainer:
         trainer = cls(config, ctx, watch, log, data, spec, spec.module, optimizer, scheduler,
                       scaler, sampler, micro_batch)
         trainer._wrap_for_sync()
+        if state is not None and state["step"] > 0:
+            trainer._settle_ddp_buckets()  # before the RNG states are restored: it uses dropout
         # each rank its own dropout stream, derived from the one seed (init used the seed itself)
         torch.manual_seed(config.seed + 1 + env.rank)
         if state is not None:
@@ -170,6 +172,27 @@ class Trainer:
         else:
             for tensor in self.module.state_dict().values():
                 dist.broadcast(tensor, src=0)
+
+    def _settle_ddp_buckets(self) -> None:
+        """Collective: one discarded forward and backward, so resumed steps reduce like the rest.
+
+        DDP reduces its first backward in one bucket of all parameters, then rebuilds its
+        buckets in the order the gradients arrived. An all-reduce over 3 or more ranks adds in
+        an order that depends on where a value sits in its bucket, so the first step after a
+        resume, reduced in the first-iteration layout, would round differently from the same
+        step of an uninterrupted run (2 ranks add a + b either way). This backward records the
+        gradient order; the next forward rebuilds the buckets as the uninterrupted run did.
+        Weights, buffers (batch-norm statistics) and gradients are left as they were.
+        """
+        if not isinstance(self.model, DistributedDataParallel):
+            return
+        buffers = [b.detach().clone() for b in self.module.buffers()]
+        self._loss(torch.arange(self.micro_batch)).backward()
+        with torch.no_grad():
+            for buffer, saved in zip(self.module.buffers(), buffers, strict=True):
+                buffer.copy_(saved)
+        self.module.zero_grad(set_to_none=True)
+        self.comm_seconds[0] = 0.0
 
     # --- checkpoints ------------------------------------------------------------------------
 
