@@ -85,6 +85,8 @@ def _node_service(host: str, all_hosts: list[str], image: str, scripts: str) -> 
             "NCCL_SOCKET_IFNAME": IFNAME,
             "DDP_CLUSTER_HOSTS": ",".join(all_hosts),
             "DDP_SHARED_DIR": SHARED_DIR,
+            # mpiexec's ssh: ends mpiexec when a node is cut off (see ssh-launch.sh)
+            "HYDRA_LAUNCHER_EXEC": f"{CLUSTER_SCRIPTS}/ssh-launch.sh",
         },
         "volumes": ["keys:/keys:ro", f"shared:{SHARED_DIR}", f"{scripts}:{CLUSTER_SCRIPTS}:ro"],
         "networks": ["cluster"],
