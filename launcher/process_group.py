@@ -114,16 +114,15 @@ def _init(env: JobEnv, name: str, timeout: timedelta) -> tuple[JobEnv, dist.Stor
     from launcher.rendezvous import resolve_rendezvous
 
     env = resolve_rendezvous(env)
+    url = f"tcp://{_bracket_ipv6(env.master_addr)}:{env.master_port}"
     try:
-        # our own store, so that a failure later can ask it which ranks still answer
-        store = dist.TCPStore(
-            env.master_addr, env.master_port, env.world_size, is_master=env.is_main,
-            timeout=timeout,
-        )
-        store.set(f"{_HOST_KEY}/{env.rank}", env.hostname)
         dist.init_process_group(
-            name, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout
+            name, init_method=url, rank=env.rank, world_size=env.world_size, timeout=timeout
         )
+        # the rendezvous store (hosted by rank 0) outlives a broken group: after a failure it
+        # tells which ranks still answer
+        store = dist.distributed_c10d._get_default_store()
+        store.set(f"{_HOST_KEY}/{env.rank}", env.hostname)
     except (RuntimeError, ValueError) as exc:
         raise _rendezvous_error(env, name, exc) from None
     return env, store
@@ -136,6 +135,7 @@ _NOISE = re.compile(
 )
 _HOST_KEY = "ddp/host"
 _ALIVE_KEY = "ddp/alive"
+_DONE_KEY = "ddp/roll-call-read"
 #: how long survivors of a failure wait for each other to answer the roll call
 ROLL_CALL_S = 10.0
 _COMMUNICATION_WORDS = re.compile(
@@ -167,6 +167,12 @@ def _roll_call(env: JobEnv, store: dist.Store) -> str:
     try:
         silent = _silent_ranks(env, store)
         hosts = [_host_of(store, rank) for rank in silent]
+        store.set(f"{_DONE_KEY}/{env.rank}", "1")
+        if env.is_main:
+            # the store lives in this process, which exits next: stay until the survivors
+            # have read what they need
+            answered = [r for r in range(env.world_size) if r not in silent]
+            _wait_for(store, [f"{_DONE_KEY}/{r}" for r in answered])
     except Exception:  # any failure means the same: the store is gone
         return (f"rank 0's rendezvous store at {env.master_addr}:{env.master_port} does not "
                 f"answer either: rank 0's node is lost, or {env.hostname} is cut off")
@@ -178,15 +184,23 @@ def _roll_call(env: JobEnv, store: dist.Store) -> str:
 
 def _silent_ranks(env: JobEnv, store: dist.Store) -> list[int]:
     store.set(f"{_ALIVE_KEY}/{env.rank}", env.hostname)
+    return _wait_for(store, [f"{_ALIVE_KEY}/{rank}" for rank in range(env.world_size)],
+                     missing_as=range(env.world_size))
+
+
+def _wait_for(store: dist.Store, keys: list[str], missing_as=None) -> list:
+    """Wait up to ROLL_CALL_S for ``keys``; the entries of ``missing_as`` (default: the keys)
+    whose key did not appear."""
+    labels = list(missing_as) if missing_as is not None else keys
     deadline = time.monotonic() + ROLL_CALL_S
-    silent = []
-    for rank in range(env.world_size):
+    missing = []
+    for key, label in zip(keys, labels, strict=True):
         remaining = timedelta(seconds=max(0.1, deadline - time.monotonic()))
         try:
-            store.wait([f"{_ALIVE_KEY}/{rank}"], remaining)
-        except dist.DistStoreError:  # the wait timed out: that rank did not answer
-            silent.append(rank)
-    return silent
+            store.wait([key], remaining)
+        except dist.DistStoreError:  # the wait timed out: nobody set that key
+            missing.append(label)
+    return missing
 
 
 def _host_of(store: dist.Store, rank: int) -> str:
