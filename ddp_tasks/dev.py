@@ -40,8 +40,8 @@ def test(c, args=""):
 def lint(c):
     """ruff on the Python code, shellcheck on the scripts, hadolint on the Dockerfile."""
     c.run(f"{BIN / 'ruff'} check {ROOT}", pty=False)
-    scripts = " ".join(str(p) for p in sorted(ROOT.glob("scripts/*.sh")) + [ROOT / ".ci/run"]
-                       if p.exists())
+    shell = [*ROOT.glob("scripts/*.sh"), *ROOT.glob("docker/**/*.sh"), ROOT / ".ci/run"]
+    scripts = " ".join(str(p) for p in sorted(shell) if p.exists())
     if scripts:
         c.run(f"shellcheck {scripts}", pty=False)
     dockerfile = ROOT / "docker" / "Dockerfile"
