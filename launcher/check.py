@@ -159,7 +159,9 @@ def check_collectives(ctx: DistContext) -> CollectiveResult:
     world, rank = ctx.env.world_size, ctx.env.rank
     errors: list[str] = []
     latencies: dict[int, float] = {}
-    payload = torch.arange(1024, dtype=torch.float32, device=ctx.device)
+    # gloo sends and receives host memory only (a CUDA tensor makes it abort the process)
+    p2p_device = torch.device("cpu") if ctx.backend == "gloo" else ctx.device
+    payload = torch.arange(1024, dtype=torch.float32, device=p2p_device)
     for peer in range(1, world):
         if rank == 0:
             start = time.perf_counter()

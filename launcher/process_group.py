@@ -3,7 +3,8 @@
 ``process_group(env, backend)`` picks the backend, binds this rank's GPU, rendezvouses and
 always destroys the group again, also when the body raises. Backend names the user may give:
 
-- ``auto``: ``nccl`` when CUDA is usable, else ``gloo``;
+- ``auto``: ``nccl`` when CUDA is usable, else ``gloo``; ``gloo`` too when ranks on one host
+  share a GPU (one GPU, several ranks), which NCCL refuses;
 - ``nccl``, ``gloo``: PyTorch's own, rendezvous over TCP at ``MASTER_ADDR:MASTER_PORT``;
 - ``mpi``: PyTorch's native MPI backend when the wheel has one, else the mpi4py backend of
   ``launcher.mpi_backend`` (stock PyPI wheels have none). Neither needs an address or a port:
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -82,7 +84,13 @@ def process_group(
     cuda_available = torch.cuda.is_available()
     name = select_backend(backend, cuda_available, dist.is_mpi_available())
     device = bind_device(env, cuda_available)
-    env, store = _init(env, name, timedelta(seconds=timeout_s))
+    timeout = timedelta(seconds=timeout_s)
+    store = None
+    if name in ("gloo", "nccl"):
+        env, store = _rendezvous(env, name, timeout)
+        if name == "nccl" and env.is_distributed:
+            name = _nccl_unless_gpus_are_shared(env, store, device, explicit=backend == "nccl")
+    _init(env, name, store, timeout)
     healthy = True
     try:
         yield DistContext(env=env, backend=name, device=device)
@@ -101,31 +109,84 @@ def process_group(
             dist.destroy_process_group()
 
 
-def _init(env: JobEnv, name: str, timeout: timedelta) -> tuple[JobEnv, dist.Store | None]:
-    if name == "mpi":
-        dist.init_process_group("mpi", timeout=timeout)
-        return env, None
-    if name != "gloo" and name != "nccl":
-        # the mpi4py backend rendezvouses through MPI; the store only satisfies torch's API
-        dist.init_process_group(
-            name, store=dist.HashStore(), rank=env.rank, world_size=env.world_size, timeout=timeout
-        )
-        return env, None
+def _rendezvous(env: JobEnv, backend: str, timeout: timedelta) -> tuple[JobEnv, dist.Store]:
+    """The TCP store hosted by rank 0: torch's rendezvous, and after a failure the roll call
+    (it outlives a broken group and tells which ranks still answer)."""
     from launcher.rendezvous import resolve_rendezvous
 
     env = resolve_rendezvous(env)
-    url = f"tcp://{_bracket_ipv6(env.master_addr)}:{env.master_port}"
     try:
-        dist.init_process_group(
-            name, init_method=url, rank=env.rank, world_size=env.world_size, timeout=timeout
-        )
-        # the rendezvous store (hosted by rank 0) outlives a broken group: after a failure it
-        # tells which ranks still answer
-        store = dist.distributed_c10d._get_default_store()
+        store = dist.TCPStore(env.master_addr, env.master_port, env.world_size,
+                              is_master=env.rank == 0, timeout=timeout)
         store.set(f"{_HOST_KEY}/{env.rank}", env.hostname)
     except (RuntimeError, ValueError) as exc:
-        raise _rendezvous_error(env, name, exc) from None
+        raise _rendezvous_error(env, backend, exc) from None
     return env, store
+
+
+def _init(env: JobEnv, name: str, store: dist.Store | None, timeout: timedelta) -> None:
+    if name == "mpi":
+        dist.init_process_group("mpi", timeout=timeout)
+        return
+    if store is None:
+        # the mpi4py backend rendezvouses through MPI; the store only satisfies torch's API
+        store = dist.HashStore()
+    try:
+        dist.init_process_group(
+            name, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout
+        )
+    except (RuntimeError, ValueError) as exc:
+        raise _rendezvous_error(env, name, exc) from None
+
+
+def _nccl_unless_gpus_are_shared(env: JobEnv, store: dist.Store, device: torch.device,
+                                 explicit: bool) -> str:
+    """``nccl``, or ``gloo`` for ``--backend auto`` when ranks share a GPU (NCCL stops such a
+    job at its first collective with "invalid usage"). Every rank takes the same decision."""
+    shared = shared_gpu(env, store, _gpu_identity(device))
+    if shared is None:
+        return "nccl"
+    if explicit:
+        raise LaunchError(
+            f"NCCL cannot run several ranks on one GPU, and {shared}",
+            hint=f"start one rank per GPU ({torch.cuda.device_count()} visible on "
+            f"{env.hostname}; under Slurm --gpus-per-task=1), or use --backend gloo or mpi, "
+            "which let ranks share a GPU",
+        )
+    if env.is_main:
+        print(f"note: {shared}; NCCL cannot share a GPU, so --backend auto uses gloo",
+              file=sys.stderr, flush=True)
+    return "gloo"
+
+
+def _gpu_identity(device: torch.device) -> str:
+    """The GPU's UUID: the same card seen by two ranks, whatever index each sees it at."""
+    return str(torch.cuda.get_device_properties(device).uuid)
+
+
+_GPU_KEY = "ddp/gpu"
+
+
+def shared_gpu(env: JobEnv, store: dist.Store, gpu: str) -> str | None:
+    """Collective over ``store``: which ranks on one host were bound to the same GPU.
+
+    Each rank publishes ``gpu`` (an identity such as the UUID) under its host and local rank
+    and compares it with the lower local ranks of its host; then all ranks wait for each
+    other. Returns the first conflict found anywhere in the job (the same text on every
+    rank), or None.
+    """
+    store.set(f"{_GPU_KEY}/{env.hostname}/{env.local_rank}", gpu)
+    for other in range(env.local_rank):
+        if store.get(f"{_GPU_KEY}/{env.hostname}/{other}").decode() == gpu:
+            conflict = (f"local ranks {other} and {env.local_rank} on {env.hostname} were "
+                        f"given the same GPU ({gpu})")
+            store.compare_set(f"{_GPU_KEY}/conflict", "", conflict)  # the first one stays
+            break
+    if store.add(f"{_GPU_KEY}/checked", 1) == env.world_size:
+        store.set(f"{_GPU_KEY}/all-checked", "1")
+    store.wait([f"{_GPU_KEY}/all-checked"])
+    key = f"{_GPU_KEY}/conflict"
+    return store.get(key).decode() if store.check([key]) else None
 
 
 #: what torch and gloo put around the one useful clause: "[/path/pair.cc:553] " and
@@ -206,10 +267,6 @@ def _wait_for(store: dist.Store, keys: list[str], missing_as=None) -> list:
 def _host_of(store: dist.Store, rank: int) -> str:
     key = f"{_HOST_KEY}/{rank}"
     return store.get(key).decode() if store.check([key]) else "?"
-
-
-def _bracket_ipv6(addr: str | None) -> str:
-    return f"[{addr}]" if addr and ":" in addr else str(addr)
 
 
 def _rendezvous_error(env: JobEnv, backend: str, exc: Exception) -> LaunchError:

@@ -1,0 +1,63 @@
+"""Process-group decisions that need no GPU: which ranks share a GPU (over a real TCPStore)."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from launcher.env import JobEnv
+from launcher.process_group import shared_gpu
+from launcher.rendezvous import free_port
+
+
+def _env(rank: int, world_size: int, host: str, local_rank: int, port: int) -> JobEnv:
+    return JobEnv(launcher="hydra", rank=rank, world_size=world_size, local_rank=local_rank,
+                  local_world_size=2, node_rank=0, num_nodes=1, master_addr="127.0.0.1",
+                  master_port=port, hostname=host)
+
+
+def _run(placements: list[tuple[str, int, str]]) -> list[str | None]:
+    """Every rank (a thread with its own client of one TCPStore) calls shared_gpu;
+    ``placements`` gives each rank's (host, local rank, GPU identity)."""
+    port, size = free_port(), len(placements)
+
+    def rank(r: int) -> str | None:
+        store = dist.TCPStore("127.0.0.1", port, size, is_master=r == 0,
+                              timeout=timedelta(seconds=20))
+        host, local_rank, gpu = placements[r]
+        answer = shared_gpu(_env(r, size, host, local_rank, port), store, gpu)
+        if store.add("done", 1) == size:
+            store.set("all-done", "1")
+        if r == 0:  # the master's store must outlive the others' last reads
+            store.wait(["all-done"])
+        return answer
+
+    with ThreadPoolExecutor(size) as pool:
+        return list(pool.map(rank, range(size)))
+
+
+def test_ranks_with_their_own_gpus_share_nothing():
+    # per-task binding (srun --gpus-per-task=1): every rank sees its GPU as device 0, yet
+    # the identities differ
+    assert _run([("n0", 0, "GPU-a"), ("n0", 1, "GPU-b"), ("n1", 0, "GPU-a"),
+                 ("n1", 1, "GPU-b")]) == [None] * 4
+
+
+def _conflict(a: int, b: int, host: str, gpu: str) -> str:
+    return f"local ranks {a} and {b} on {host} were given the same GPU ({gpu})"
+
+
+@pytest.mark.parametrize("placements, conflicts", [
+    # two hosts; on n1 both ranks were given GPU-c
+    ([("n0", 0, "GPU-a"), ("n0", 1, "GPU-b"), ("n1", 0, "GPU-c"), ("n1", 1, "GPU-c")],
+     {_conflict(0, 1, "n1", "GPU-c")}),
+    # one host, four ranks, two GPUs: two conflicts, whichever is recorded first is reported
+    ([("n0", 0, "GPU-a"), ("n0", 1, "GPU-a"), ("n0", 2, "GPU-b"), ("n0", 3, "GPU-b")],
+     {_conflict(0, 1, "n0", "GPU-a"), _conflict(2, 3, "n0", "GPU-b")}),
+])
+def test_a_shared_gpu_is_reported_alike_on_every_rank(placements, conflicts):
+    answers = _run(placements)
+    assert len(set(answers)) == 1 and answers[0] in conflicts, answers
