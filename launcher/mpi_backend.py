@@ -51,7 +51,12 @@ Semantics and strategies:
 * Memory: contiguous CPU tensors are handed to MPI by address, without copies; non-contiguous
   tensors are copied to contiguous ones and back. CUDA tensors go to MPI by device pointer when
   the MPI library says it is CUDA-aware (``MPIX_Query_cuda_support``), else they are staged
-  through host memory (a copy each way). The CUDA paths are untested here (no GPU).
+  through host memory (a copy each way); the staged path is tested on a GPU machine (pip
+  MPICH is not CUDA-aware), the by-pointer path is not.
+* all_reduce of more than 4 MiB runs as consecutive all_reduces of 4 MiB slices: MPICH's
+  shared-memory all_reduce took 2-3x as long for 16-256 MiB in one piece as in slices that stay
+  in cache between its copy and reduce passes (benchmarks/README.md). Each element is still
+  reduced once by the same op, so results are those of the one-piece call.
 * Threads: DDP calls collectives from autograd threads. Unless MPI provides
   ``MPI_THREAD_MULTIPLE``, every MPI call is serialised with a lock.
 """
@@ -111,6 +116,9 @@ _CPU = torch.device("cpu")
 #: int32 words of the all_reduce each new communicator checks itself with: 4 MiB, above
 #: MPICH's threshold for single-copy (CMA) transfers even when split among many ranks
 _PROBE_WORDS = 1 << 20
+
+#: all_reduce works through larger buffers in slices of this many bytes, one after another
+ALLREDUCE_SLICE_BYTES = 4 << 20
 
 #: polls of a request (about 1 us each from Python) before each further poll gives up the
 #: CPU: MPICH spins for about as long (1000 polls of its own) before it yields
@@ -200,6 +208,15 @@ def _spec(t: torch.Tensor, blocks: int = 1) -> list:
     n = t.numel()
     return [MPI.buffer.fromaddress(t.data_ptr(), n * t.element_size()), n // blocks,
             _DATATYPES[t.dtype]]
+
+
+def _slices(t: torch.Tensor, max_bytes: int) -> list[torch.Tensor]:
+    """Contiguous ``t`` as consecutive flat views of at most ``max_bytes``; none when empty."""
+    if t.numel() * t.element_size() <= max_bytes:
+        return [t] if t.numel() else []  # the common case, without the cost of views
+    flat = t.view(-1)
+    step = max(1, max_bytes // t.element_size())
+    return [flat[i:i + step] for i in range(0, flat.numel(), step)]
 
 
 def _write_back(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -404,8 +421,8 @@ class MPIProcessGroup(dist.ProcessGroup):
         for t in tensors:
             mpi_op, compute, average = _reduction(t.dtype, op)
             buf = _addressable(t, compute)
-            if buf.numel():
-                self._run("all_reduce", None, self._comm.Iallreduce, MPI.IN_PLACE, _spec(buf),
+            for part in _slices(buf, ALLREDUCE_SLICE_BYTES):
+                self._run("all_reduce", None, self._comm.Iallreduce, MPI.IN_PLACE, _spec(part),
                           mpi_op)
             if average:
                 self._average(buf)

@@ -399,15 +399,43 @@ def scenario_cuda() -> None:
     cpu = torch.randn(1000, generator=gen)
     results = {}
     for device in ("cpu", "cuda"):
-        t = cpu.to(device)
+        t = cpu.to(device, copy=True)  # without copy the cpu pass would reduce `cpu` itself
         dist.all_reduce(t)
-        b = cpu.to(device)
+        b = cpu.to(device, copy=True)
         dist.broadcast(b, src=0)
         out = torch.empty(1000 * SIZE, device=device)
         dist.all_gather_into_tensor(out, cpu.to(device))
         results[device] = [x.cpu() for x in (t, b, out)]
     same = all(torch.equal(a, b) for a, b in zip(results["cpu"], results["cuda"], strict=True))
     emit(same=same, cuda_aware=mpi_backend._cuda_aware())
+    dist.destroy_process_group()
+
+
+def scenario_sliced() -> None:
+    """all_reduce in slices (tiny ones here, and the real 4 MiB ones on a larger tensor) gives
+    exactly what one piece gives. Values are small integers, so every sum is exact whatever
+    order MPI adds in."""
+    init_default("mpi4py")
+    gen = torch.Generator().manual_seed(RANK)
+    mismatches = []
+    for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.int64, torch.bool):
+        ops = [dist.ReduceOp.SUM, dist.ReduceOp.MAX]
+        if dtype.is_floating_point:
+            ops.append(dist.ReduceOp.AVG)
+        for op in ops:
+            source = rand((1001,), dtype, gen)
+            results = []
+            for slice_bytes in (1 << 30, 24):
+                mpi_backend.ALLREDUCE_SLICE_BYTES = slice_bytes
+                t = source.clone()
+                dist.all_reduce(t, op=op)
+                results.append(t)
+            if not torch.equal(*results):
+                mismatches.append(f"{dtype} {op}")
+    mpi_backend.ALLREDUCE_SLICE_BYTES = 4 << 20
+    big = torch.full(((4 << 20) // 4 + 3,), float(RANK + 1))  # 4 MiB and 3 floats: 2 slices
+    dist.all_reduce(big)
+    emit(mismatches=mismatches, big_ok=bool(torch.all(big == SIZE * (SIZE + 1) / 2)))
     dist.destroy_process_group()
 
 
@@ -478,6 +506,7 @@ SCENARIOS = {
     "threads": scenario_threads,
     "poll": scenario_poll,
     "cuda": scenario_cuda,
+    "sliced": scenario_sliced,
     "bad-world-size": scenario_bad_world_size,
     "bad-rank": scenario_bad_rank,
     "bad-reduce-op": scenario_bad_reduce_op,

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from launcher import mpi_backend
 from launcher.errors import LaunchError
 from tests.fixtures.docker import COLD_BUILD_TIMEOUT
+from tests.fixtures.gpu import needs_gpu
 from tests.fixtures.mpi import json_objects, run_mpi
 
 WORKER = "tests/mpi_backend_worker.py"
@@ -190,8 +191,17 @@ def test_the_mpi_library_is_asked_about_cuda_support():
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_large_all_reduce_in_slices_equals_one_piece(ranks):
+    result = run_worker(ranks, "sliced", timeout=120)
+    assert result.returncode == 0, result.output
+    reports = by_rank(json_objects(result.stdout), ranks)
+    assert all(r["mismatches"] == [] and r["big_ok"] for r in reports), reports
+
+
+@pytest.mark.mpi
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none here)")
+@needs_gpu
 def test_cuda_tensors_give_the_same_results_as_cpu_tensors():
     result = run_worker(2, "cuda", timeout=120)
     assert result.returncode == 0, result.output
