@@ -70,6 +70,12 @@ class TrainConfig:
     precision: str = "fp32"
     """fp32; bf16 (torch.autocast on CPU and GPU); fp16 (autocast plus GradScaler, GPU only)"""
 
+    deterministic: bool = False
+    """deterministic GPU kernels (torch.use_deterministic_algorithms, cuDNN without autotuning,
+    CUBLAS_WORKSPACE_CONFIG=:4096:8): without it convolutions on GPU round differently from run
+    to run, so a resumed CNN run drifts from an uninterrupted one; slower. CPU runs are
+    deterministic anyway"""
+
     sync: str = "ddp"
     """ddp (DistributedDataParallel, all-reduce overlapped with backward) or manual (the classic
     synchronous SGD: weights broadcast from rank 0, gradients all-reduced and averaged after
@@ -193,9 +199,14 @@ def build_parser() -> argparse.ArgumentParser:
                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     docs = field_docs(TrainConfig)
     for field in dataclasses.fields(TrainConfig):
+        flag = f"--{field.name.replace('_', '-')}"
+        if isinstance(field.default, bool):
+            parser.add_argument(flag, dest=field.name, action=argparse.BooleanOptionalAction,
+                                default=field.default, help=docs[field.name])
+            continue
         kind = {int: int, float: float}.get(type(field.default), str)
-        parser.add_argument(f"--{field.name.replace('_', '-')}", dest=field.name, type=kind,
-                            default=field.default, help=docs[field.name])
+        parser.add_argument(flag, dest=field.name, type=kind, default=field.default,
+                            help=docs[field.name])
     return parser
 
 

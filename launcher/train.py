@@ -125,6 +125,8 @@ class Trainer:
         env, device = ctx.env, ctx.device
         log = RankLog(env.is_main, config.metrics_path)
         _use_cores_fairly(config.threads, env, device)
+        if config.deterministic:
+            _use_deterministic_kernels()
         micro_batch = config.per_rank_batch(env.world_size)
         if config.precision == "fp16" and device.type != "cuda":
             raise LaunchError("--precision fp16 needs a GPU (GradScaler); this rank runs on CPU",
@@ -519,6 +521,15 @@ def _use_cores_fairly(threads: int, env: JobEnv, device: torch.device) -> None:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         threads = max(1, math.floor((cores or 1) / env.local_world_size))
     torch.set_num_threads(threads)
+
+
+
+def _use_deterministic_kernels() -> None:
+    # cuBLAS reads the variable when it creates its first handle: before the model's first
+    # matmul. warn_only: an op with no deterministic kernel warns instead of stopping the run
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cudnn.benchmark = False
 
 
 if __name__ == "__main__":

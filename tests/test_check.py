@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from launcher.check import RankReport, find_differences, format_table
+from tests.fixtures.gpu import nccl_ranks, needs_gpu
 from tests.fixtures.mpi import REPO_ROOT, clean_environ, json_objects, run_mpi
 
 
@@ -116,3 +117,36 @@ def test_unknown_backend_is_one_clear_error():
     assert "error: unknown backend tcp" in result.stderr
     assert "HINT:" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.mpi
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("backend, ranks", [("nccl", nccl_ranks()), ("mpi", 2)])
+def test_check_on_gpu_reports_cuda_and_passes(backend, ranks):
+    result = run_mpi(ranks, ["-m", "launcher.check", "--backend", backend, "--json"],
+                     timeout=180)
+    assert result.returncode == 0, result.output
+    summary = _summary(result.stdout)
+    assert summary["ok"], summary
+    for report in summary["ranks"]:
+        assert report["device"].startswith("cuda"), report
+        assert report["cuda"] != "-" and report["nccl"] != "-", report
+
+
+@pytest.mark.mpi
+@pytest.mark.gpu
+@needs_gpu
+def test_ranks_sharing_a_gpu_get_gloo_under_auto_and_one_clear_error_under_nccl():
+    """NCCL refuses two ranks on one GPU (a workstation with one GPU, mpiexec -n 2)."""
+    one_gpu = {"CUDA_VISIBLE_DEVICES": "0"}
+    nccl = run_mpi(2, ["-m", "launcher.check", "--backend", "nccl"], timeout=120, env=one_gpu)
+    assert nccl.returncode == 2, nccl.output
+    for rank in (0, 1):
+        assert f"[rank {rank}] error: NCCL cannot run several ranks on one GPU" in nccl.stderr
+        assert f"[rank {rank}] HINT: start one rank per GPU" in nccl.stderr, nccl.output
+    assert "Traceback" not in nccl.stderr
+    auto = run_mpi(2, ["-m", "launcher.check", "--json"], timeout=120, env=one_gpu)
+    assert auto.returncode == 0, auto.output
+    assert auto.stderr.count("NCCL cannot share a GPU, so --backend auto uses gloo") == 1
+    assert set(_summary(auto.stdout)["backends"]) == {"gloo"}
