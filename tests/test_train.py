@@ -329,6 +329,7 @@ def test_gradient_accumulation_matches_one_big_batch(tmp_path, data_dir):
 @pytest.mark.parametrize("flags, key", [
     (["--model", "autoencoder", "--lr", "1"], "test_loss"),  # SGD needs a larger step here
     (["--precision", "bf16"], "test_accuracy"),
+    (["--model", "cnn", "--deterministic"], "test_accuracy"),  # the flag is harmless on CPU
 ])
 def test_other_models_and_precisions_train(tmp_path, data_dir, flags, key):
     result = train(2, tmp_path, data_dir, *flags, "--epochs", "2")

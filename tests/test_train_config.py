@@ -29,6 +29,8 @@ def test_values_are_typed():
     config = parse_args(["--epochs", "2", "--lr", "0.5", "--run-dir", "/x", "--metrics", "m.j"])
     assert config.epochs == 2 and config.lr == 0.5
     assert str(config.checkpoint_dir) == "/x/checkpoints" and str(config.metrics_path) == "m.j"
+    assert parse_args(["--deterministic"]).deterministic is True
+    assert parse_args(["--deterministic", "--no-deterministic"]).deterministic is False
 
 
 @pytest.mark.parametrize("argv, message", [
