@@ -47,13 +47,7 @@ def main(argv: list[str] | None = None) -> None:
         config = parse_args(argv)
         with PreemptionWatch(env.preempt_signal) as watch, \
                 process_group(env, config.backend, config.timeout_s) as ctx:
-            trainer = Trainer.build(config, ctx, watch)
-            try:
-                trainer.fit()
-            finally:
-                trainer.log.close()
-            print(f"param-sha256 rank={ctx.env.rank} {parameter_sha256(trainer.module)}",
-                  flush=True)
+            train(config, ctx, watch)
     except LaunchError as error:
         report_and_exit(error, env.rank if env else None)
     except Preempted as preempted:
@@ -61,6 +55,17 @@ def main(argv: list[str] | None = None) -> None:
         print(f"[rank {env.rank}] preempted, {preempted.checkpoint} saved: exit "
               f"{EXIT_PREEMPTED}", file=sys.stderr, flush=True)
         sys.exit(EXIT_PREEMPTED)
+
+
+def train(config: TrainConfig, ctx: DistContext, watch: PreemptionWatch) -> None:
+    """Build, fit, print the parameter hash. The trainer (and its DDP wrapper) lives in this
+    frame only, so it is gone before the process group is torn down."""
+    trainer = Trainer.build(config, ctx, watch)
+    try:
+        trainer.fit()
+    finally:
+        trainer.log.close()
+    print(f"param-sha256 rank={ctx.env.rank} {parameter_sha256(trainer.module)}", flush=True)
 
 
 @dataclass

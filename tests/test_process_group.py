@@ -1,4 +1,5 @@
-"""Process-group decisions that need no GPU: which ranks share a GPU (over a real TCPStore)."""
+"""Process-group decisions that need no GPU: which ranks share a GPU (over a real TCPStore),
+and a clean exit after DDP under real mpiexec."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ import pytest
 import torch.distributed as dist
 
 from launcher.env import JobEnv
+from launcher.errors import EXIT_USER_ERROR
 from launcher.process_group import shared_gpu
 from launcher.rendezvous import free_port
+from tests.fixtures.mpi import run_mpi
 
 
 def _env(rank: int, world_size: int, host: str, local_rank: int, port: int) -> JobEnv:
@@ -61,3 +64,36 @@ def _conflict(a: int, b: int, host: str, gpu: str) -> str:
 def test_a_shared_gpu_is_reported_alike_on_every_rank(placements, conflicts):
     answers = _run(placements)
     assert len(set(answers)) == 1 and answers[0] in conflicts, answers
+
+
+# DDP used inside process_group, the way launcher.train does, ending well or with a LaunchError
+DDP_THEN_EXIT = """
+import sys, torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+from launcher.env import detect_environment
+from launcher.errors import LaunchError, report_and_exit
+from launcher.process_group import process_group
+env = detect_environment()
+def work():
+    model = DDP(torch.nn.Linear(10, 10))
+    model(torch.randn(4, 10)).sum().backward()
+    if sys.argv[1] == "fail":
+        raise LaunchError("planned failure", hint="none")
+try:
+    with process_group(env, "gloo", 60):
+        work()
+except LaunchError as error:
+    report_and_exit(error, env.rank)
+"""
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("ending, status", [("ok", 0), ("fail", EXIT_USER_ERROR)])
+def test_ddp_is_released_before_the_group_so_exit_is_clean(ending, status):
+    """A DDP reducer that outlived its gloo group aborted the process in the interpreter's
+    teardown (SIGABRT, "terminate called without an active exception"): measured 5 and 7
+    exits in 25 for these two programs before the fix, so six runs each catch it with ~85 %."""
+    for _ in range(6):
+        result = run_mpi(2, ["-c", DDP_THEN_EXIT, ending], timeout=60)
+        assert result.returncode == status, result.output
+        assert "terminate called" not in result.stderr, result.output
