@@ -101,7 +101,7 @@ def process_group(
         healthy = False
         raise
     except BaseException as exc:
-        if not isinstance(exc, Exception) or not _is_communication_failure(exc):
+        if not _is_communication_failure(exc):
             failure = exc
             raise
         healthy = False

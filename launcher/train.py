@@ -528,7 +528,6 @@ def _use_cores_fairly(threads: int, env: JobEnv, device: torch.device) -> None:
     torch.set_num_threads(threads)
 
 
-
 def _use_deterministic_kernels() -> None:
     # cuBLAS reads the variable when it creates its first handle: before the model's first
     # matmul. warn_only: an op with no deterministic kernel warns instead of stopping the run

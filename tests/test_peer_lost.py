@@ -9,7 +9,6 @@ containers.
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,19 +16,14 @@ import time
 import pytest
 
 from launcher.errors import EXIT_PEER_LOST
+from launcher.rendezvous import free_port
 from tests.fixtures.mpi import REPO_ROOT, clean_environ
 
 WORLD = 3
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _start_ranks(tmp_path) -> list[subprocess.Popen]:
-    port = _free_port()
+    port = free_port()
     ranks = []
     for rank in range(WORLD):
         env = clean_environ({

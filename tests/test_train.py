@@ -61,6 +61,30 @@ def metrics(run_dir: Path, event: str) -> list[dict]:
     return [r for r in json_objects(path.read_text()) if r.get("event") == event]
 
 
+def saved_model(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
+    """The model state of the run's checkpoint at ``step``."""
+    return checkpoint.load(run_dir / "checkpoints" / checkpoint.checkpoint_name(step))["model"]
+
+
+def differences(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Largest absolute difference per entry of two state dicts."""
+    return {k: (a[k].double() - b[k].double()).abs().max().item() for k in a}
+
+
+def resumed_and_whole(ranks: int, tmp_path: Path, data_dir: Path, flags: list[str],
+                      stop_at: int, backend: str = "gloo"):
+    """An uninterrupted run, and the same run stopped at ``stop_at`` steps then resumed with
+    ``--resume auto``; both checked to have succeeded and the second part to have resumed."""
+    whole = train(ranks, tmp_path / "whole", data_dir, *flags, backend=backend)
+    first = train(ranks, tmp_path / "resumed", data_dir, *flags, "--max-steps", str(stop_at),
+                  backend=backend)
+    second = train(ranks, tmp_path / "resumed", data_dir, *flags, backend=backend)
+    for result in (whole, first, second):
+        assert result.returncode == 0, result.output
+    assert "resuming from" in second.stdout, second.output
+    return second, whole
+
+
 _references: dict[str, str] = {}
 
 
@@ -197,12 +221,8 @@ def test_resume_with_three_ranks_is_bit_exact(tmp_path, data_dir, flags):
     """An all-reduce over 3 ranks rounds by bucket layout, which DDP changes after its first
     backward: the first step after a resume must reduce like the uninterrupted run's."""
     flags = ["--global-batch-size", "48", "--epochs", "1", "--log-every", "100", *flags]
-    whole = train(3, tmp_path / "whole", data_dir, *flags)
-    first = train(3, tmp_path / "resumed", data_dir, *flags, "--max-steps", "5")
-    second = train(3, tmp_path / "resumed", data_dir, *flags)
-    for result in (whole, first, second):
-        assert result.returncode == 0, result.output
-    assert "resuming from" in second.stdout and "step 5," in second.stdout, second.output
+    second, whole = resumed_and_whole(3, tmp_path, data_dir, flags, stop_at=5)
+    assert "step 5," in second.stdout, second.output
     assert the_hash(second, ranks=3) == the_hash(whole, ranks=3)
 
 
@@ -217,11 +237,8 @@ def test_sync_modes_and_world_sizes_agree(tmp_path, data_dir):
         assert result.returncode == 0, result.output
     assert the_hash(ddp) == the_hash(manual)
 
-    def weights(name: str) -> dict[str, torch.Tensor]:
-        return checkpoint.load(tmp_path / name / "checkpoints" / "ckpt-00000044.pt")["model"]
-
-    two, one = weights("ddp"), weights("single")
-    worst = max((two[k] - one[k]).abs().max().item() for k in two)
+    worst = max(differences(saved_model(tmp_path / "ddp", 44),
+                            saved_model(tmp_path / "single", 44)).values())
     assert worst < 1e-5, worst  # the tolerance stated in docs/training.md (measured 9e-8)
 
 
@@ -319,11 +336,8 @@ def test_gradient_accumulation_matches_one_big_batch(tmp_path, data_dir):
     for result in runs.values():
         assert result.returncode == 0, result.output
 
-    def weights(accum: str) -> dict[str, torch.Tensor]:
-        return checkpoint.load(tmp_path / accum / "checkpoints" / "ckpt-00000010.pt")["model"]
-
-    one, four = weights("1"), weights("4")
-    assert max((one[k] - four[k]).abs().max().item() for k in one) < 1e-5
+    one, four = saved_model(tmp_path / "1", 10), saved_model(tmp_path / "4", 10)
+    assert max(differences(one, four).values()) < 1e-5
 
 
 @pytest.mark.parametrize("flags, key", [
@@ -364,15 +378,9 @@ def test_resume_on_gpu_is_bit_exact(tmp_path, data_dir, precision):
     """Dropout draws from each rank's CUDA generator and fp16 steps depend on the GradScaler's
     scale: both must come back from the checkpoint for the resumed run to match."""
     flags = [*RESUME_FLAGS, "--precision", precision]
-    whole = train(2, tmp_path / "whole", data_dir, *flags, backend="mpi")
-    first = train(2, tmp_path / "resumed", data_dir, *flags, "--max-steps", "100",
-                  backend="mpi")
-    second = train(2, tmp_path / "resumed", data_dir, *flags, backend="mpi")
-    for result in (whole, first, second):
-        assert result.returncode == 0, result.output
-    assert "resuming from" in second.stdout, second.output
+    second, whole = resumed_and_whole(2, tmp_path, data_dir, flags, stop_at=100, backend="mpi")
     assert the_hash(second) == the_hash(whole)
-    state = checkpoint.load(tmp_path / "resumed" / "checkpoints" / "ckpt-00000100.pt")
+    state = checkpoint.load(tmp_path / "resumed" / "checkpoints" / checkpoint.checkpoint_name(100))
     assert all("cuda" in rng for rng in state["rng"]), state["rng"]
     assert not torch.equal(state["rng"][0]["cuda"], state["rng"][1]["cuda"])
     assert ("scale" in state["scaler"]) == (precision == "fp16"), state["scaler"]
@@ -384,13 +392,8 @@ def test_deterministic_cnn_resume_on_gpu_is_bit_exact(tmp_path, data_dir):
     """Convolutions on GPU are bit-reproducible only with --deterministic (without it, two
     identical runs differed by 2 % relative after 20 steps on an H100)."""
     flags = ["--model", "cnn", "--deterministic", "--global-batch-size", "32", "--epochs", "1",
-             "--checkpoint-every", "0"]
-    whole = train(2, tmp_path / "whole", data_dir, *flags, "--max-steps", "30", backend="mpi")
-    first = train(2, tmp_path / "resumed", data_dir, *flags, "--max-steps", "12", backend="mpi")
-    second = train(2, tmp_path / "resumed", data_dir, *flags, "--max-steps", "30", backend="mpi")
-    for result in (whole, first, second):
-        assert result.returncode == 0, result.output
-    assert "resuming from" in second.stdout, second.output
+             "--checkpoint-every", "0", "--max-steps", "30"]
+    second, whole = resumed_and_whole(2, tmp_path, data_dir, flags, stop_at=12, backend="mpi")
     assert the_hash(second) == the_hash(whole)
 
 
@@ -407,11 +410,7 @@ def test_sync_batch_norm_on_gpu_makes_two_ranks_match_one(tmp_path, data_dir):
     one = train(1, tmp_path / "one", data_dir, *flags, backend="nccl")
     for result in (two, one):
         assert result.returncode == 0, result.output
-
-    def state(name: str) -> dict[str, torch.Tensor]:
-        return checkpoint.load(tmp_path / name / "checkpoints" / "ckpt-00000001.pt")["model"]
-
-    a, b = state("two"), state("one")
+    a, b = saved_model(tmp_path / "two", 1), saved_model(tmp_path / "one", 1)
     assert any("running_mean" in k for k in a), sorted(a)
-    worst = {k: (a[k].double() - b[k].double()).abs().max().item() for k in a}
+    worst = differences(a, b)
     assert max(worst.values()) < 1e-4, worst
