@@ -9,6 +9,15 @@ its slowest rank took; the three contenders take turns in several rounds so that
 other processes falls on all of them alike. The table shows the median call and, beside it,
 the best call: on a busy machine the best is the steadier estimate of what the code costs.
 Bandwidth is algorithm bandwidth (bytes reduced per second of one all_reduce).
+
+A second table times the all_reduce as training meets it: the ranks compute between calls
+(float32 matrix products on one torch thread each, about a CNN step's worth: 20 units on
+rank 0 and 4 more on each further rank, so that they arrive at different times, as when one
+rank's step is slower) and the cost counted is the time from
+the LAST rank's arrival to the end of the call. That is the call time of the rank that arrived
+last, i.e. the smallest call time over the ranks: no clocks need to agree across nodes. It shows
+what a backend that moves data on helper threads (gloo) pays when the ranks keep their cores
+busy, which the idle ping-pong above cannot show.
 """
 
 from __future__ import annotations
@@ -32,6 +41,10 @@ from launcher import mpi_backend  # noqa: E402 - the repo root goes on sys.path 
 
 COMM = MPI.COMM_WORLD
 SIZES = [4 << 10 << (2 * i) for i in range(8)]  # 4 KiB, 16 KiB, ..., 64 MiB
+#: gradients of launcher.models.cnn (20636 float32): the all_reduce of its weak-scaling benchmark
+BUSY_BYTES = 20636 * 4
+#: one unit of compute between busy calls: a 256 x 256 matrix product, ~0.4 ms on one core
+BUSY_UNIT = 256
 CONTENDERS = ("mpi4py", "gloo", "raw")
 
 
@@ -42,6 +55,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seconds", type=float, default=0.8,
                         help="time budget per size and contender, all rounds together")
     parser.add_argument("--max-calls", type=int, default=2000, help="calls per size at most")
+    parser.add_argument("--busy-calls", type=int, default=400,
+                        help="calls of the all_reduce between rounds of compute")
     return parser.parse_args()
 
 
@@ -118,6 +133,29 @@ def allreduce_table(gloo, ours, args) -> list[dict]:
     return rows
 
 
+def busy_allreduce(gloo, ours, args) -> dict[str, dict[str, float]]:
+    """Latency after the last rank's arrival of an all_reduce between rounds of compute."""
+    torch.set_num_threads(1)  # one core per rank, as benchmarks/train_scaling.py runs them
+    a = torch.randn(BUSY_UNIT, BUSY_UNIT)
+    units = 20 + 4 * COMM.rank
+    result = {}
+    for name, op in allreduce_ops(BUSY_BYTES, gloo, ours).items():
+        times = np.empty(args.busy_calls)
+        COMM.Barrier()
+        for i in range(args.busy_calls):
+            for _ in range(units):
+                a @ a
+            start = time.perf_counter()
+            op()
+            times[i] = time.perf_counter() - start
+        COMM.Allreduce(MPI.IN_PLACE, times, op=MPI.MIN)
+        times = times[args.busy_calls // 10:]  # warm-up
+        # the mean is what a training step pays on average; the tail is where gloo loses
+        result[name] = {"mean": float(np.mean(times)), "median": float(np.median(times)),
+                        "p90": float(np.quantile(times, 0.9)), "best": float(np.min(times))}
+    return result
+
+
 def pingpong_ops(gloo, ours) -> dict:
     """A 4-byte round trip between ranks 0 and 1 per contender (other ranks idle)."""
     me = COMM.rank
@@ -148,7 +186,7 @@ def human(nbytes: int) -> str:
     return f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB"
 
 
-def print_table(rows: list[dict], latency: dict) -> None:
+def print_table(rows: list[dict], latency: dict, busy: dict) -> None:
     print(f"all_reduce float32, {COMM.size} ranks: median (best) microseconds per call, "
           f"GB/s of the median")
     header = (f"{'size':>6} | {'mpi4py':>17} {'GB/s':>5} | {'gloo':>17} {'GB/s':>5} | "
@@ -166,6 +204,11 @@ def print_table(rows: list[dict], latency: dict) -> None:
     print("\nping-pong, 4 bytes, half round trip, median (best) us: "
           + ", ".join(f"{n} {latency[n]['median'] / 2 * 1e6:.1f} "
                       f"({latency[n]['best'] / 2 * 1e6:.1f})" for n in CONTENDERS))
+    print(f"\nall_reduce of {human(BUSY_BYTES)} between rounds of compute, from the last rank's "
+          "arrival, us: mean, median, p90, best")
+    for n in CONTENDERS:
+        print(f"{n:>10}: " + " ".join(f"{busy[n][k] * 1e6:8.1f}"
+                                      for k in ("mean", "median", "p90", "best")))
 
 
 def main() -> None:
@@ -173,8 +216,9 @@ def main() -> None:
     gloo, ours = init_groups()
     rows = allreduce_table(gloo, ours, args)
     latency = measure(pingpong_ops(gloo, ours), args)
+    busy = busy_allreduce(gloo, ours, args)
     if COMM.rank == 0:
-        print_table(rows, latency)
+        print_table(rows, latency, busy)
         if args.json:
             args.json.write_text(json.dumps({
                 "command": " ".join(sys.argv),
@@ -187,6 +231,9 @@ def main() -> None:
                 "pingpong_half_round_trip_us": {
                     n: {k: latency[n][k] / 2 * 1e6 for k in ("median", "best")}
                     for n in CONTENDERS},
+                "busy_allreduce_bytes": BUSY_BYTES,
+                "busy_allreduce_after_last_arrival_us": {
+                    n: {k: v * 1e6 for k, v in busy[n].items()} for n in CONTENDERS},
             }, indent=2) + "\n")
     dist.destroy_process_group()
 

@@ -19,7 +19,11 @@ shared 2-core machine spends most of its time in OpenMP barriers and would flatt
   sample of one rank, one rank takes c*B per step and two take c*B/2 + T_sync, so two ranks
   win above B* = 2 * T_sync / c: the predicted crossover, printed beside the measured one.
 - Weak scaling (CNN, DDP): the default 32 samples per rank; efficiency = rate2 / (2 x rate1),
-  goal >= 0.8.
+  goal >= 0.8. A control run separates what the machine costs from what the job costs: two
+  independent 1-rank runs at the same time ("2 apart": the same cores busy, nothing exchanged).
+  efficiency = machine x sync, with machine = rate(2 apart) / (2 x rate1) (shared caches,
+  memory bandwidth, clock speed with more cores busy, hyper-thread siblings) and
+  sync = rate2 / rate(2 apart) (collectives, waiting for the slower rank, DDP's own work).
 """
 
 from __future__ import annotations
@@ -46,54 +50,85 @@ def parse_args() -> argparse.Namespace:
                         help="global batch sizes for strong scaling")
     parser.add_argument("--steps", type=int, default=100, help="optimizer steps per run")
     parser.add_argument("--log-every", type=int, default=5, help="steps per metrics interval")
+    parser.add_argument("--weak-only", action="store_true",
+                        help="only the weak-scaling runs (CNN), a few minutes less")
+    parser.add_argument("--mpiexec-args", default="",
+                        help="extra mpiexec options, e.g. '-bind-to core'")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads per rank (0: cores / ranks, launcher.train's default)")
     return parser.parse_args()
 
 
-def measure(ranks: int, backend: str, model: str, batch: int, sync: str, args) -> dict:
-    """One training run; its median samples/s and mean step times (seconds)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        command = [str(MPIEXEC), "-n", str(ranks), sys.executable, "-m", "launcher.train",
-                   "--dataset", "synthetic", "--model", model, "--global-batch-size", str(batch),
-                   "--backend", backend, "--sync", sync, "--epochs", "1000",
-                   "--max-steps", str(args.steps), "--log-every", str(args.log_every),
-                   "--checkpoint-every", "0", "--threads", str(args.threads),
-                   "--run-dir", tmp, "--data-dir", tmp]
-        result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
-        if result.returncode != 0:
-            sys.exit(f"failed: {' '.join(command)}\n{result.stderr}")
-        lines = (Path(tmp) / "metrics.jsonl").read_text().splitlines()
-    records = [r for r in map(json.loads, lines) if r["event"] == "step"][WARMUP_INTERVALS:]
-    return {
-        "ranks": ranks, "backend": backend, "model": model, "global_batch": batch, "sync": sync,
-        "samples_per_s": max(r["samples_per_s"] for r in records),
-        "samples_per_s_median": statistics.median(r["samples_per_s"] for r in records),
-        "t_step": min(r["t_step"] for r in records),
-        "t_comm": min(r["t_comm"] for r in records),
-        "t_compute": min(r["t_compute"] for r in records),
-    }
+class Job:
+    """One ``mpiexec -n R python -m launcher.train`` run on the synthetic dataset, started now."""
+
+    def __init__(self, ranks: int, backend: str, model: str, batch: int, sync: str, args):
+        self.record = {"ranks": ranks, "backend": backend, "model": model,
+                       "global_batch": batch, "sync": sync}
+        self._tmp = tempfile.TemporaryDirectory()
+        tmp = self._tmp.name
+        self.command = [str(MPIEXEC), *args.mpiexec_args.split(), "-n", str(ranks),
+                        sys.executable, "-m", "launcher.train", "--dataset", "synthetic",
+                        "--model", model, "--global-batch-size", str(batch),
+                        "--backend", backend, "--sync", sync, "--epochs", "1000",
+                        "--max-steps", str(args.steps), "--log-every", str(args.log_every),
+                        "--checkpoint-every", "0", "--threads", str(args.threads),
+                        "--run-dir", tmp, "--data-dir", tmp]
+        self._process = subprocess.Popen(self.command, cwd=ROOT, stdout=subprocess.DEVNULL,
+                                         stderr=subprocess.PIPE, text=True)
+
+    def result(self) -> dict:
+        """Wait for the run; its best and median samples/s and smallest step times (seconds)."""
+        with self._tmp:
+            _, stderr = self._process.communicate(timeout=600)
+            if self._process.returncode != 0:
+                sys.exit(f"failed: {' '.join(self.command)}\n{stderr}")
+            lines = (Path(self._tmp.name) / "metrics.jsonl").read_text().splitlines()
+        records = [r for r in map(json.loads, lines) if r["event"] == "step"][WARMUP_INTERVALS:]
+        return {
+            **self.record,
+            "samples_per_s": max(r["samples_per_s"] for r in records),
+            "samples_per_s_median": statistics.median(r["samples_per_s"] for r in records),
+            "t_step": min(r["t_step"] for r in records),
+            "t_comm": min(r["t_comm"] for r in records),
+            "t_compute": min(r["t_compute"] for r in records),
+        }
 
 
-def main() -> None:
-    args = parse_args()
-    backends = args.backends.split(",")
-    batches = [int(b) for b in args.batches.split(",")]
-    runs: list[dict] = []
+class Runs:
+    """Runs jobs, prints one line per measurement and keeps every record for the JSON."""
 
-    def run(ranks: int, backend: str, model: str, batch: int, sync: str = "ddp") -> dict:
-        found = measure(ranks, backend, model, batch, sync, args)
-        runs.append(found)
+    def __init__(self, args):
+        self.args, self.records = args, []
+
+    def one(self, ranks: int, backend: str, model: str, batch: int, sync: str = "ddp") -> dict:
+        found = Job(ranks, backend, model, batch, sync, self.args).result()
+        self.records.append(found)
         print(f"  measured {ranks} rank(s) {backend} {model} B={batch} {sync}: "
               f"{found['samples_per_s']:.0f} samples/s", flush=True)
         return found
 
-    strong, split, weak = [], [], []
+    def side_by_side(self, model: str, batch: int) -> float:
+        """Samples/s of two independent 1-rank runs at the same time: 2 ranks minus talking.
+
+        Each run's best interval counts, as everywhere here; the two need not fall at the same
+        moment, which can only flatter the machine and so understate the sync factor."""
+        jobs = [Job(1, "gloo", model, batch, "ddp", self.args) for _ in range(2)]
+        found = [job.result() for job in jobs]
+        self.records.extend(found)
+        rate = sum(f["samples_per_s"] for f in found)
+        print(f"  measured 2 independent 1-rank runs {model} B={batch}: {rate:.0f} samples/s "
+              "together", flush=True)
+        return rate
+
+
+def strong_scaling(runs: Runs, backends: list[str], batches: list[int]) -> dict:
+    strong, split = [], []
     for batch in batches:
-        one = run(1, "gloo", "mlp", batch)  # one rank never communicates: backend irrelevant
+        one = runs.one(1, "gloo", "mlp", batch)  # one rank never communicates: any backend
         for backend in backends:
-            two = run(2, backend, "mlp", batch)
-            manual = run(2, backend, "mlp", batch, "manual")
+            two = runs.one(2, backend, "mlp", batch)
+            manual = runs.one(2, backend, "mlp", batch, "manual")
             speedup = two["samples_per_s"] / one["samples_per_s"]
             strong.append({"global_batch": batch, "backend": backend,
                            "rate_1": one["samples_per_s"], "rate_2": two["samples_per_s"],
@@ -104,20 +139,14 @@ def main() -> None:
                           "t_comp_ms": 1e3 * manual["t_compute"],
                           "t_sync_ms": 1e3 * manual["t_comm"],
                           "rate_manual_2": manual["samples_per_s"]})
-    cnn_one = run(1, "gloo", "cnn", 32)
-    for backend in backends:
-        cnn_two = run(2, backend, "cnn", 64)
-        weak.append({"backend": backend, "per_rank_batch": 32,
-                     "rate_1": cnn_one["samples_per_s"], "rate_2": cnn_two["samples_per_s"],
-                     "efficiency": cnn_two["samples_per_s"] / (2 * cnn_one["samples_per_s"])})
-
     crossover = {b: next((s["global_batch"] for s in strong
                           if s["backend"] == b and s["speedup"] > 1), None) for b in backends}
     # compute per sample from the largest single-rank batch (least overhead per sample)
-    per_sample = min(r["t_step"] / r["global_batch"] for r in runs if r["ranks"] == 1
+    per_sample = min(r["t_step"] / r["global_batch"] for r in runs.records if r["ranks"] == 1
                      and r["model"] == "mlp")
     predicted = {b: 2 * statistics.median(t["t_sync_ms"] for t in split if t["backend"] == b)
                  / 1e3 / per_sample for b in backends}
+
     print("\nStrong scaling, MLP, DDP (same global batch on 1 and 2 ranks)")
     print(f"{'batch':>6} {'backend':>8} {'1 rank/s':>10} {'2 ranks/s':>10} {'speedup':>8} "
           f"{'eff':>6} {'T_comp ms':>10} {'T_sync ms':>10} {'step speedup':>13}")
@@ -129,22 +158,66 @@ def main() -> None:
         found = (f"from global batch {batch} on" if batch else f"never in {batches}")
         print(f"{backend}: two ranks beat one {found}; predicted B* = 2 T_sync / c = "
               f"{predicted[backend]:.0f} (c = {per_sample * 1e6:.1f} us/sample)")
+    return {"strong": strong, "sync_split": split, "crossover_batch": crossover,
+            "predicted_crossover_batch": predicted, "compute_s_per_sample": per_sample}
+
+
+def weak_scaling(runs: Runs, backends: list[str]) -> list[dict]:
+    one = runs.one(1, "gloo", "cnn", 32)
+    apart = runs.side_by_side("cnn", 32)
+    weak = []
+    for backend in backends:
+        two = runs.one(2, backend, "cnn", 64)
+        weak.append({"backend": backend, "per_rank_batch": 32,
+                     "rate_1": one["samples_per_s"], "rate_2": two["samples_per_s"],
+                     "rate_2_independent": apart,
+                     "efficiency": two["samples_per_s"] / (2 * one["samples_per_s"]),
+                     "machine_efficiency": apart / (2 * one["samples_per_s"]),
+                     "sync_efficiency": two["samples_per_s"] / apart})
+
     print("\nWeak scaling, CNN, DDP, 32 samples per rank (goal: efficiency >= 0.8)")
+    print(f"{'backend':>8} {'1 rank/s':>9} {'2 apart/s':>10} {'2 ranks/s':>10} "
+          f"{'efficiency':>11} {'= machine':>10} {'x sync':>7}")
     for w in weak:
-        print(f"{w['backend']:>8}: 1 rank {w['rate_1']:.0f}/s, 2 ranks {w['rate_2']:.0f}/s, "
-              f"efficiency {w['efficiency']:.2f}")
+        print(f"{w['backend']:>8} {w['rate_1']:>9.0f} {w['rate_2_independent']:>10.0f} "
+              f"{w['rate_2']:>10.0f} {w['efficiency']:>11.2f} {w['machine_efficiency']:>10.2f} "
+              f"{w['sync_efficiency']:>7.2f}")
+    print("2 apart: two independent 1-rank runs at the same time (no communication); machine = "
+          "2 apart / (2 x 1 rank), sync = 2 ranks / 2 apart")
+    return weak
+
+
+def cpu_topology() -> dict[str, str]:
+    """What decides whether two busy cores slow each other down, as lscpu tells it."""
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return {}
+    keep = ("Model name", "Thread(s) per core", "Core(s) per socket", "Socket(s)",
+            "NUMA node(s)", "Hypervisor vendor")
+    fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
+    return {k: fields[k].strip() for k in keep if k in fields}
+
+
+def main() -> None:
+    args = parse_args()
+    backends = args.backends.split(",")
+    runs = Runs(args)
+    results = {}
+    if not args.weak_only:
+        results.update(strong_scaling(runs, backends, [int(b) for b in args.batches.split(",")]))
+    results["weak"] = weak_scaling(runs, backends)
     # other work on the machine moves these numbers more than anything in the code does
     load = os.getloadavg()
     print(f"\nload average after the runs: {load[0]:.1f} {load[1]:.1f} {load[2]:.1f} "
           f"on {os.cpu_count()} cores")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"strong": strong, "sync_split": split, "weak": weak,
-                                         "crossover_batch": crossover,
-                                         "predicted_crossover_batch": predicted,
-                                         "compute_s_per_sample": per_sample, "runs": runs,
-                                         "steps": args.steps, "threads": args.threads,
-                                         "cpus": os.cpu_count(), "load_average": load},
+        args.json.write_text(json.dumps({**results, "runs": runs.records, "steps": args.steps,
+                                         "threads": args.threads,
+                                         "mpiexec_args": args.mpiexec_args,
+                                         "cpus": os.cpu_count(), "cpu": cpu_topology(),
+                                         "load_average": load},
                                         indent=2) + "\n")
 
 

@@ -1,0 +1,50 @@
+"""The benchmark scripts run end to end (tiny budgets) and write the JSON the README quotes.
+
+Speed is not asserted here (benchmarks/README.md holds the figures); what is asserted is that
+every table the README shows is produced, with sane numbers, so the scripts cannot rot.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.fixtures.mpi import REPO_ROOT, clean_environ, run_mpi
+
+pytestmark = pytest.mark.mpi
+
+
+def test_allreduce_benchmark_writes_every_table(tmp_path):
+    out = tmp_path / "allreduce.json"
+    result = run_mpi(2, ["benchmarks/allreduce.py", "--seconds", "0.02", "--rounds", "1",
+                         "--busy-calls", "20", "--json", str(out)], timeout=300)
+    assert result.returncode == 0, result.output
+    report = json.loads(out.read_text())
+    assert [row["bytes"] for row in report["allreduce"]] == [4 << 10 << 2 * i for i in range(8)]
+    for row in report["allreduce"]:
+        assert row["vs_raw_median"] > 0 and row["vs_gloo_median"] > 0
+    busy = report["busy_allreduce_after_last_arrival_us"]
+    assert set(busy) == {"mpi4py", "gloo", "raw"}
+    for stats in busy.values():
+        assert 0 < stats["best"] <= stats["median"] <= stats["p90"]
+    assert "between rounds of compute" in result.stdout
+
+
+def test_train_scaling_benchmark_splits_weak_scaling_into_machine_and_sync(tmp_path):
+    out = tmp_path / "train_scaling.json"
+    result = subprocess.run(
+        [sys.executable, "benchmarks/train_scaling.py", "--weak-only", "--steps", "15",
+         "--json", str(out)],
+        cwd=REPO_ROOT, env=clean_environ(), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(out.read_text())
+    assert [w["backend"] for w in report["weak"]] == ["gloo", "mpi"]
+    for w in report["weak"]:
+        assert w["efficiency"] == pytest.approx(w["machine_efficiency"] * w["sync_efficiency"])
+        assert w["rate_1"] > 0 and w["rate_2"] > 0 and w["rate_2_independent"] > 0
+    # the control is two single-rank runs; the rest as named
+    assert sorted(r["ranks"] for r in report["runs"]) == [1, 1, 1, 2, 2]
+    assert "= machine" in result.stdout
