@@ -143,6 +143,15 @@ def _rendezvous(env: JobEnv, backend: str, timeout: timedelta) -> tuple[JobEnv, 
 
 
 def _init(env: JobEnv, name: str, store: dist.Store | None, timeout: timedelta) -> None:
+    # torch.distributed.nn.functional gives ten functions the default argument
+    # group=group.WORLD, which is evaluated when the module is imported: imported while a group
+    # exists (DDP imports it through torch._dynamo on first use), it holds that group in their
+    # defaults for good, out of the garbage collector's sight (torch 2.13). destroy_process_group
+    # then leaves the group and gloo's threads alive into the interpreter's teardown, where
+    # freeing them can abort a run that succeeded ("terminate called without an active
+    # exception"). Imported before any group exists, the defaults are None.
+    import torch.distributed.nn.functional  # noqa: F401
+
     if name == "mpi":
         dist.init_process_group("mpi", timeout=timeout)
         return
