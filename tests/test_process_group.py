@@ -68,7 +68,7 @@ def test_a_shared_gpu_is_reported_alike_on_every_rank(placements, conflicts):
 
 # DDP used inside process_group, the way launcher.train does, ending well or with a LaunchError
 DDP_THEN_EXIT = """
-import glob, sys, torch
+import glob, os, sys, torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 from launcher.env import detect_environment
 from launcher.errors import LaunchError, report_and_exit
@@ -81,7 +81,8 @@ def work():
         raise LaunchError("planned failure", hint="none")
 def gloo_threads_left():
     names = (open(task + "/comm").read().strip() for task in glob.glob("/proc/self/task/*"))
-    print("gloo threads left:", sorted(n for n in names if "gloo" in n), flush=True)
+    # one write: the ranks share mpiexec's stdout, and print() writes piece by piece
+    os.write(1, f"gloo threads left: {sorted(n for n in names if 'gloo' in n)}\\n".encode())
 try:
     with process_group(env, "gloo", 60):
         work()
