@@ -13,11 +13,11 @@ Bandwidth is algorithm bandwidth (bytes reduced per second of one all_reduce).
 A second table times the all_reduce as training meets it: the ranks compute between calls
 (float32 matrix products on one torch thread each, about a CNN step's worth: 20 units on
 rank 0 and 4 more on each further rank, so that they arrive at different times, as when one
-rank's step is slower) and the cost counted is the time from
-the LAST rank's arrival to the end of the call. That is the call time of the rank that arrived
-last, i.e. the smallest call time over the ranks: no clocks need to agree across nodes. It shows
-what a backend that moves data on helper threads (gloo) pays when the ranks keep their cores
-busy, which the idle ping-pong above cannot show.
+rank's step is slower), and the cost counted is the time from the LAST rank's arrival to the
+end of the call. That is the call time of the rank that arrived last, i.e. the smallest call
+time over the ranks: no clocks need to agree across nodes. It shows what a backend that moves
+data on helper threads (gloo) pays when the ranks keep their cores busy, which the idle
+ping-pong above cannot show.
 """
 
 from __future__ import annotations
@@ -38,11 +38,12 @@ from mpi4py import MPI
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from launcher import mpi_backend  # noqa: E402 - the repo root goes on sys.path first
+from launcher.models import cnn  # noqa: E402
 
 COMM = MPI.COMM_WORLD
 SIZES = [4 << 10 << (2 * i) for i in range(8)]  # 4 KiB, 16 KiB, ..., 64 MiB
-#: gradients of launcher.models.cnn (20636 float32): the all_reduce of its weak-scaling benchmark
-BUSY_BYTES = 20636 * 4
+#: the gradients of the CNN: the all_reduce of each step of the weak-scaling benchmark
+BUSY_BYTES = 4 * sum(p.numel() for p in cnn().parameters())
 #: one unit of compute between busy calls: a 256 x 256 matrix product, ~0.4 ms on one core
 BUSY_UNIT = 256
 CONTENDERS = ("mpi4py", "gloo", "raw")

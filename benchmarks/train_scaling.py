@@ -24,6 +24,9 @@ shared 2-core machine spends most of its time in OpenMP barriers and would flatt
   efficiency = machine x sync, with machine = rate(2 apart) / (2 x rate1) (shared caches,
   memory bandwidth, clock speed with more cores busy, hyper-thread siblings) and
   sync = rate2 / rate(2 apart) (collectives, waiting for the slower rank, DDP's own work).
+  The weak-scaling runs are repeated in rounds (``--repeats``) and the median counts: on a
+  shared VM the speed of one core drifts by 10 % within minutes, and one lucky 1-rank run moves
+  a single efficiency figure as much.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -52,6 +56,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--log-every", type=int, default=5, help="steps per metrics interval")
     parser.add_argument("--weak-only", action="store_true",
                         help="only the weak-scaling runs (CNN), a few minutes less")
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="rounds of the weak-scaling runs (the median counts)")
     parser.add_argument("--mpiexec-args", default="",
                         help="extra mpiexec options, e.g. '-bind-to core'")
     parser.add_argument("--threads", type=int, default=1,
@@ -62,12 +68,13 @@ def parse_args() -> argparse.Namespace:
 class Job:
     """One ``mpiexec -n R python -m launcher.train`` run on the synthetic dataset, started now."""
 
-    def __init__(self, ranks: int, backend: str, model: str, batch: int, sync: str, args):
+    def __init__(self, ranks: int, backend: str, model: str, batch: int, sync: str, args,
+                 mpiexec_args: str = ""):
         self.record = {"ranks": ranks, "backend": backend, "model": model,
                        "global_batch": batch, "sync": sync}
         self._tmp = tempfile.TemporaryDirectory()
         tmp = self._tmp.name
-        self.command = [str(MPIEXEC), *args.mpiexec_args.split(), "-n", str(ranks),
+        self.command = [str(MPIEXEC), *shlex.split(mpiexec_args), "-n", str(ranks),
                         sys.executable, "-m", "launcher.train", "--dataset", "synthetic",
                         "--model", model, "--global-batch-size", str(batch),
                         "--backend", backend, "--sync", sync, "--epochs", "1000",
@@ -102,7 +109,8 @@ class Runs:
         self.args, self.records = args, []
 
     def one(self, ranks: int, backend: str, model: str, batch: int, sync: str = "ddp") -> dict:
-        found = Job(ranks, backend, model, batch, sync, self.args).result()
+        found = Job(ranks, backend, model, batch, sync, self.args,
+                    self.args.mpiexec_args).result()
         self.records.append(found)
         print(f"  measured {ranks} rank(s) {backend} {model} B={batch} {sync}: "
               f"{found['samples_per_s']:.0f} samples/s", flush=True)
@@ -112,7 +120,8 @@ class Runs:
         """Samples/s of two independent 1-rank runs at the same time: 2 ranks minus talking.
 
         Each run's best interval counts, as everywhere here; the two need not fall at the same
-        moment, which can only flatter the machine and so understate the sync factor."""
+        moment, which can only flatter the machine and so understate the sync factor. They get
+        no --mpiexec-args: bound, each would take the first core, the same one."""
         jobs = [Job(1, "gloo", model, batch, "ddp", self.args) for _ in range(2)]
         found = [job.result() for job in jobs]
         self.records.extend(found)
@@ -162,29 +171,45 @@ def strong_scaling(runs: Runs, backends: list[str], batches: list[int]) -> dict:
             "predicted_crossover_batch": predicted, "compute_s_per_sample": per_sample}
 
 
-def weak_scaling(runs: Runs, backends: list[str]) -> list[dict]:
-    one = runs.one(1, "gloo", "cnn", 32)
-    apart = runs.side_by_side("cnn", 32)
+def weak_scaling(runs: Runs, backends: list[str], repeats: int) -> dict:
     weak = []
+    # rounds of all runs, one after another: a drift of the machine's speed falls on all alike
+    for repeat in range(repeats):
+        one = runs.one(1, "gloo", "cnn", 32)
+        apart = runs.side_by_side("cnn", 32)
+        for backend in backends:
+            two = runs.one(2, backend, "cnn", 64)
+            weak.append({"repeat": repeat, "backend": backend, "per_rank_batch": 32,
+                         "rate_1": one["samples_per_s"], "rate_2": two["samples_per_s"],
+                         "rate_2_independent": apart,
+                         "efficiency": two["samples_per_s"] / (2 * one["samples_per_s"]),
+                         "machine_efficiency": apart / (2 * one["samples_per_s"]),
+                         "sync_efficiency": two["samples_per_s"] / apart})
+    summary = {}
     for backend in backends:
-        two = runs.one(2, backend, "cnn", 64)
-        weak.append({"backend": backend, "per_rank_batch": 32,
-                     "rate_1": one["samples_per_s"], "rate_2": two["samples_per_s"],
-                     "rate_2_independent": apart,
-                     "efficiency": two["samples_per_s"] / (2 * one["samples_per_s"]),
-                     "machine_efficiency": apart / (2 * one["samples_per_s"]),
-                     "sync_efficiency": two["samples_per_s"] / apart})
+        mine = [w for w in weak if w["backend"] == backend]
+        summary[backend] = {
+            **{f"median_{k}": statistics.median(w[k] for w in mine)
+               for k in ("efficiency", "machine_efficiency", "sync_efficiency")},
+            "min_efficiency": min(w["efficiency"] for w in mine),
+            "max_efficiency": max(w["efficiency"] for w in mine)}
 
-    print("\nWeak scaling, CNN, DDP, 32 samples per rank (goal: efficiency >= 0.8)")
-    print(f"{'backend':>8} {'1 rank/s':>9} {'2 apart/s':>10} {'2 ranks/s':>10} "
+    print(f"\nWeak scaling, CNN, DDP, 32 samples per rank, {repeats} round(s) "
+          "(goal: efficiency >= 0.8)")
+    print(f"{'round':>5} {'backend':>8} {'1 rank/s':>9} {'2 apart/s':>10} {'2 ranks/s':>10} "
           f"{'efficiency':>11} {'= machine':>10} {'x sync':>7}")
     for w in weak:
-        print(f"{w['backend']:>8} {w['rate_1']:>9.0f} {w['rate_2_independent']:>10.0f} "
-              f"{w['rate_2']:>10.0f} {w['efficiency']:>11.2f} {w['machine_efficiency']:>10.2f} "
-              f"{w['sync_efficiency']:>7.2f}")
+        print(f"{w['repeat']:>5} {w['backend']:>8} {w['rate_1']:>9.0f} "
+              f"{w['rate_2_independent']:>10.0f} {w['rate_2']:>10.0f} {w['efficiency']:>11.2f} "
+              f"{w['machine_efficiency']:>10.2f} {w['sync_efficiency']:>7.2f}")
+    for backend, m in summary.items():
+        print(f"{'median':>5} {backend:>8} {'':>9} {'':>10} {'':>10} "
+              f"{m['median_efficiency']:>11.2f} {m['median_machine_efficiency']:>10.2f} "
+              f"{m['median_sync_efficiency']:>7.2f}   (efficiency {m['min_efficiency']:.2f} to "
+              f"{m['max_efficiency']:.2f})")
     print("2 apart: two independent 1-rank runs at the same time (no communication); machine = "
           "2 apart / (2 x 1 rank), sync = 2 ranks / 2 apart")
-    return weak
+    return {"weak": weak, "weak_summary": summary}
 
 
 def cpu_topology() -> dict[str, str]:
@@ -206,7 +231,7 @@ def main() -> None:
     results = {}
     if not args.weak_only:
         results.update(strong_scaling(runs, backends, [int(b) for b in args.batches.split(",")]))
-    results["weak"] = weak_scaling(runs, backends)
+    results.update(weak_scaling(runs, backends, args.repeats))
     # other work on the machine moves these numbers more than anything in the code does
     load = os.getloadavg()
     print(f"\nload average after the runs: {load[0]:.1f} {load[1]:.1f} {load[2]:.1f} "

@@ -37,14 +37,19 @@ def test_train_scaling_benchmark_splits_weak_scaling_into_machine_and_sync(tmp_p
     out = tmp_path / "train_scaling.json"
     result = subprocess.run(
         [sys.executable, "benchmarks/train_scaling.py", "--weak-only", "--steps", "15",
-         "--json", str(out)],
+         "--repeats", "2", "--json", str(out)],
         cwd=REPO_ROOT, env=clean_environ(), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads(out.read_text())
-    assert [w["backend"] for w in report["weak"]] == ["gloo", "mpi"]
+    assert [(w["repeat"], w["backend"]) for w in report["weak"]] == [
+        (0, "gloo"), (0, "mpi"), (1, "gloo"), (1, "mpi")]
     for w in report["weak"]:
         assert w["efficiency"] == pytest.approx(w["machine_efficiency"] * w["sync_efficiency"])
         assert w["rate_1"] > 0 and w["rate_2"] > 0 and w["rate_2_independent"] > 0
-    # the control is two single-rank runs; the rest as named
-    assert sorted(r["ranks"] for r in report["runs"]) == [1, 1, 1, 2, 2]
+    for backend, summary in report["weak_summary"].items():
+        mine = [w["efficiency"] for w in report["weak"] if w["backend"] == backend]
+        assert summary["min_efficiency"] == min(mine)
+        assert summary["median_efficiency"] == pytest.approx(sum(mine) / 2)
+    # per round: one rank, the control (two single-rank runs), two ranks per backend
+    assert sorted(r["ranks"] for r in report["runs"]) == [1] * 6 + [2] * 4
     assert "= machine" in result.stdout
