@@ -24,6 +24,9 @@ shared 2-core machine spends most of its time in OpenMP barriers and would flatt
   efficiency = machine x sync, with machine = rate(2 apart) / (2 x rate1) (shared caches,
   memory bandwidth, clock speed with more cores busy, hyper-thread siblings) and
   sync = rate2 / rate(2 apart) (collectives, waiting for the slower rank, DDP's own work).
+  A third 2-rank run per backend ("bcast"; the CNN plus one buffer outside batch norm) makes
+  launcher.train broadcast every buffer from rank 0 before each forward, DDP's default, which
+  it skips for batch-norm statistics: the saving, measured side by side.
   The weak-scaling runs are repeated in rounds (``--repeats``) and the median counts: on a
   shared VM the speed of one core drifts by 10 % within minutes, and one lucky 1-rank run moves
   a single efficiency figure as much.
@@ -44,6 +47,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 MPIEXEC = Path(sys.executable).parent / "mpiexec"
 WARMUP_INTERVALS = 2
+#: the CNN with buffers broadcast before every forward, as a --model spec each rank imports
+CNN_BROADCASTING = "benchmarks.train_scaling:cnn_broadcasting_buffers"
+
+
+def cnn_broadcasting_buffers():
+    """The CNN plus a buffer outside batch norm: launcher.train then cannot rule out that the
+    training forward reads one, and keeps DDP's broadcast of all buffers before every forward."""
+    import torch
+
+    from launcher.models import cnn
+
+    model = cnn()
+    model.register_buffer("unread", torch.zeros(()))
+    return model
 
 
 def parse_args() -> argparse.Namespace:
@@ -99,6 +116,7 @@ class Job:
             "t_step": min(r["t_step"] for r in records),
             "t_comm": min(r["t_comm"] for r in records),
             "t_compute": min(r["t_compute"] for r in records),
+            **{k: min(r[k] for r in records) for k in ("t_forward", "t_backward", "t_optimizer")},
         }
 
 
@@ -172,44 +190,62 @@ def strong_scaling(runs: Runs, backends: list[str], batches: list[int]) -> dict:
 
 
 def weak_scaling(runs: Runs, backends: list[str], repeats: int) -> dict:
-    weak = []
+    weak, parts = [], {}
     # rounds of all runs, one after another: a drift of the machine's speed falls on all alike
     for repeat in range(repeats):
         one = runs.one(1, "gloo", "cnn", 32)
+        parts.setdefault("1 rank", []).append(one)
         apart = runs.side_by_side("cnn", 32)
         for backend in backends:
             two = runs.one(2, backend, "cnn", 64)
+            parts.setdefault(f"2 ranks {backend}", []).append(two)
+            bcast = runs.one(2, backend, CNN_BROADCASTING, 64)
             weak.append({"repeat": repeat, "backend": backend, "per_rank_batch": 32,
                          "rate_1": one["samples_per_s"], "rate_2": two["samples_per_s"],
                          "rate_2_independent": apart,
                          "efficiency": two["samples_per_s"] / (2 * one["samples_per_s"]),
                          "machine_efficiency": apart / (2 * one["samples_per_s"]),
-                         "sync_efficiency": two["samples_per_s"] / apart})
+                         "sync_efficiency": two["samples_per_s"] / apart,
+                         "rate_2_bcast": bcast["samples_per_s"],
+                         "bcast_efficiency": bcast["samples_per_s"] / (2 * one["samples_per_s"])})
     summary = {}
     for backend in backends:
         mine = [w for w in weak if w["backend"] == backend]
         summary[backend] = {
             **{f"median_{k}": statistics.median(w[k] for w in mine)
-               for k in ("efficiency", "machine_efficiency", "sync_efficiency")},
+               for k in ("efficiency", "machine_efficiency", "sync_efficiency",
+                         "bcast_efficiency")},
             "min_efficiency": min(w["efficiency"] for w in mine),
             "max_efficiency": max(w["efficiency"] for w in mine)}
 
     print(f"\nWeak scaling, CNN, DDP, 32 samples per rank, {repeats} round(s) "
           "(goal: efficiency >= 0.8)")
     print(f"{'round':>5} {'backend':>8} {'1 rank/s':>9} {'2 apart/s':>10} {'2 ranks/s':>10} "
-          f"{'efficiency':>11} {'= machine':>10} {'x sync':>7}")
+          f"{'efficiency':>11} {'= machine':>10} {'x sync':>7} {'bcast':>6}")
     for w in weak:
         print(f"{w['repeat']:>5} {w['backend']:>8} {w['rate_1']:>9.0f} "
               f"{w['rate_2_independent']:>10.0f} {w['rate_2']:>10.0f} {w['efficiency']:>11.2f} "
-              f"{w['machine_efficiency']:>10.2f} {w['sync_efficiency']:>7.2f}")
+              f"{w['machine_efficiency']:>10.2f} {w['sync_efficiency']:>7.2f} "
+              f"{w['bcast_efficiency']:>6.2f}")
     for backend, m in summary.items():
         print(f"{'median':>5} {backend:>8} {'':>9} {'':>10} {'':>10} "
               f"{m['median_efficiency']:>11.2f} {m['median_machine_efficiency']:>10.2f} "
-              f"{m['median_sync_efficiency']:>7.2f}   (efficiency {m['min_efficiency']:.2f} to "
+              f"{m['median_sync_efficiency']:>7.2f} {m['median_bcast_efficiency']:>6.2f}   "
+              f"(efficiency {m['min_efficiency']:.2f} to "
               f"{m['max_efficiency']:.2f})")
     print("2 apart: two independent 1-rank runs at the same time (no communication); machine = "
-          "2 apart / (2 x 1 rank), sync = 2 ranks / 2 apart")
-    return {"weak": weak, "weak_summary": summary}
+          "2 apart / (2 x 1 rank), sync = 2 ranks / 2 apart; bcast: the efficiency with every "
+          "buffer broadcast before each forward (DDP's default)")
+
+    keys = ("t_step", "t_forward", "t_backward", "t_comm", "t_optimizer")
+    breakdown = {run: {k: statistics.median(r[k] for r in found) for k in keys}
+                 for run, found in parts.items()}
+    print("\nWhere a step goes (ms; smallest per run, median over rounds; backward includes "
+          "the all-reduce's wait)")
+    print(f"{'run':>14}" + "".join(f"{k[2:]:>10}" for k in keys))
+    for run, t in breakdown.items():
+        print(f"{run:>14}" + "".join(f"{1e3 * t[k]:>10.2f}" for k in keys))
+    return {"weak": weak, "weak_summary": summary, "weak_step_breakdown": breakdown}
 
 
 def cpu_topology() -> dict[str, str]:

@@ -30,8 +30,8 @@ class TrainConfig:
     model: str = "mlp"
     """mlp (classifier), autoencoder (MLP auto-encoder; try --lr 1), cnn (small CNN with batch
     norm: SyncBatchNorm across GPUs; on CPU, where PyTorch has no SyncBatchNorm, each rank
-    normalises its own batch and the running statistics follow rank 0), or
-    package.module:factory for your own model (factory() must return an nn.Module giving logits
+    normalises its own batch, and evaluations and checkpoints use rank 0's running statistics),
+    or package.module:factory for your own model (factory() must return an nn.Module giving logits
     [B, 10] for images [B, 1, 28, 28])"""
 
     dataset: str = "digits"

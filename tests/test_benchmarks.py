@@ -33,7 +33,7 @@ def test_allreduce_benchmark_writes_every_table(tmp_path):
     assert "between rounds of compute" in result.stdout
 
 
-def test_train_scaling_benchmark_splits_weak_scaling_into_machine_and_sync(tmp_path):
+def test_train_scaling_benchmark_splits_weak_scaling_and_measures_the_broadcast(tmp_path):
     out = tmp_path / "train_scaling.json"
     result = subprocess.run(
         [sys.executable, "benchmarks/train_scaling.py", "--weak-only", "--steps", "15",
@@ -46,10 +46,14 @@ def test_train_scaling_benchmark_splits_weak_scaling_into_machine_and_sync(tmp_p
     for w in report["weak"]:
         assert w["efficiency"] == pytest.approx(w["machine_efficiency"] * w["sync_efficiency"])
         assert w["rate_1"] > 0 and w["rate_2"] > 0 and w["rate_2_independent"] > 0
+        assert w["bcast_efficiency"] == pytest.approx(w["rate_2_bcast"] / (2 * w["rate_1"]))
     for backend, summary in report["weak_summary"].items():
         mine = [w["efficiency"] for w in report["weak"] if w["backend"] == backend]
         assert summary["min_efficiency"] == min(mine)
         assert summary["median_efficiency"] == pytest.approx(sum(mine) / 2)
-    # per round: one rank, the control (two single-rank runs), two ranks per backend
-    assert sorted(r["ranks"] for r in report["runs"]) == [1] * 6 + [2] * 4
-    assert "= machine" in result.stdout
+    # per round: one rank, the control (two single-rank runs), per backend two ranks without
+    # and with buffers broadcast every step
+    assert sorted(r["ranks"] for r in report["runs"]) == [1] * 6 + [2] * 8
+    assert sum(r["model"] == "cnn" for r in report["runs"]) == 10
+    assert set(report["weak_step_breakdown"]) == {"1 rank", "2 ranks gloo", "2 ranks mpi"}
+    assert "= machine" in result.stdout and "Where a step goes" in result.stdout

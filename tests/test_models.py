@@ -10,6 +10,7 @@ from torch import nn
 
 from launcher.errors import LaunchError
 from launcher.models import build_model, check_output
+from launcher.train import _reads_buffers_in_training
 
 BATCH = torch.rand(3, 1, 28, 28)
 
@@ -81,3 +82,14 @@ def test_user_model_shape_errors(user_module, factory, message):
 def test_unknown_builtin():
     with pytest.raises(LaunchError, match="unknown model 'resnet'"):
         build_model("resnet", 10, dropout=0.1)
+
+
+@pytest.mark.parametrize(("module", "reads"), [
+    pytest.param(build_model("cnn", 10, 0.1).module, False, id="cnn: batch norm only"),
+    pytest.param(build_model("mlp", 10, 0.1).module, False, id="mlp: no buffers"),
+    pytest.param(nn.SyncBatchNorm(4), False, id="SyncBatchNorm"),
+    pytest.param(nn.Sequential(nn.Linear(2, 2), nn.InstanceNorm1d(2, track_running_stats=True)),
+                 True, id="another layer with buffers"),
+])
+def test_only_buffers_other_than_batch_norms_must_follow_rank_0_every_step(module, reads):
+    assert _reads_buffers_in_training(module) is reads

@@ -245,9 +245,19 @@ def test_sync_modes_and_world_sizes_agree(tmp_path, data_dir):
 @pytest.fixture
 def user_models(tmp_path) -> dict[str, str]:
     (tmp_path / "mymodels.py").write_text(
-        "import torch.nn as nn\n"
+        "import torch\nimport torch.nn as nn\n"
         "def seven():\n    return nn.Sequential(nn.Flatten(), nn.Linear(784, 7))\n"
-        "def linear():\n    return nn.Sequential(nn.Flatten(), nn.Linear(784, 10))\n")
+        "def linear():\n    return nn.Sequential(nn.Flatten(), nn.Linear(784, 10))\n"
+        # a buffer the training forward reads and each rank changes on its own batch
+        "class Drifting(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.net = nn.Sequential(nn.Flatten(), nn.Linear(784, 10))\n"
+        "        self.register_buffer('scale', torch.ones(()))\n"
+        "    def forward(self, x):\n"
+        "        if self.training:\n"
+        "            self.scale.mul_(0.9).add_(0.1 * x.mean())\n"
+        "        return self.net(x) * self.scale\n")
     return {"PYTHONPATH": f"{tmp_path}{os.pathsep}{Path(__file__).resolve().parents[1]}"}
 
 
@@ -327,6 +337,39 @@ def test_ddp_equals_manual_for_cnn_with_batch_norm_dropout_and_accumulation(tmp_
     manual = train(2, tmp_path / "manual", data_dir, *flags, "--sync", "manual")
     assert ddp.returncode == 0 and manual.returncode == 0, ddp.output + manual.output
     assert the_hash(ddp) == the_hash(manual)
+
+
+@pytest.mark.parametrize("sync", ["ddp", "manual"])
+def test_every_rank_evaluates_with_rank_0s_batch_norm_statistics(tmp_path, data_dir, sync):
+    """On CPU each rank's batch norm updates its own running statistics while training (nothing
+    reads them there, so no collective per step); before evaluating every rank takes rank 0's,
+    the ones the checkpoint holds. So the 2-rank evaluation is that of the saved model."""
+    from launcher.data import load_dataset
+    from launcher.models import cnn
+
+    run = train(2, tmp_path, data_dir, "--model", "cnn", "--epochs", "1",
+                "--global-batch-size", "32", "--sync", sync)
+    assert run.returncode == 0, run.output
+    (reported,) = metrics(tmp_path, "eval")
+    model = cnn()
+    model.load_state_dict(saved_model(tmp_path, 44))
+    test = load_dataset("digits", data_dir, local_rank=0).test
+    with torch.no_grad():
+        loss = torch.nn.functional.cross_entropy(model.eval()(test.images), test.labels)
+    # each rank using its own statistics moves the loss by ~1e-3; rounding alone, by ~1e-7
+    assert reported["test_loss"] == pytest.approx(loss.item(), rel=1e-5)
+
+
+def test_buffers_read_in_training_follow_rank_0_in_both_sync_modes(tmp_path, data_dir,
+                                                                     user_models):
+    """A buffer the training forward reads is broadcast before every forward: by DDP, and by
+    hand under --sync manual; skipping it in either would give the two different weights."""
+    flags = ["--model", "mymodels:Drifting", "--epochs", "1", "--max-steps", "10"]
+    runs = [train(2, tmp_path / sync, data_dir, *flags, "--sync", sync, env=user_models)
+            for sync in ("ddp", "manual")]
+    for result in runs:
+        assert result.returncode == 0, result.output
+    assert the_hash(runs[0]) == the_hash(runs[1])
 
 
 def test_gradient_accumulation_matches_one_big_batch(tmp_path, data_dir):
