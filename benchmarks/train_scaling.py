@@ -113,10 +113,8 @@ class Job:
             **self.record,
             "samples_per_s": max(r["samples_per_s"] for r in records),
             "samples_per_s_median": statistics.median(r["samples_per_s"] for r in records),
-            "t_step": min(r["t_step"] for r in records),
-            "t_comm": min(r["t_comm"] for r in records),
-            "t_compute": min(r["t_compute"] for r in records),
-            **{k: min(r[k] for r in records) for k in ("t_forward", "t_backward", "t_optimizer")},
+            **{k: min(r[k] for r in records) for k in ("t_step", "t_comm", "t_compute",
+                                                       "t_forward", "t_backward", "t_optimizer")},
         }
 
 
