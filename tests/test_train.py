@@ -61,9 +61,14 @@ def metrics(run_dir: Path, event: str) -> list[dict]:
     return [r for r in json_objects(path.read_text()) if r.get("event") == event]
 
 
+def saved_state(run_dir: Path, step: int) -> dict:
+    """The run's checkpoint at ``step``, whole."""
+    return checkpoint.load(run_dir / "checkpoints" / checkpoint.checkpoint_name(step))
+
+
 def saved_model(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
     """The model state of the run's checkpoint at ``step``."""
-    return checkpoint.load(run_dir / "checkpoints" / checkpoint.checkpoint_name(step))["model"]
+    return saved_state(run_dir, step)["model"]
 
 
 def differences(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -423,7 +428,7 @@ def test_resume_on_gpu_is_bit_exact(tmp_path, data_dir, precision):
     flags = [*RESUME_FLAGS, "--precision", precision]
     second, whole = resumed_and_whole(2, tmp_path, data_dir, flags, stop_at=100, backend="mpi")
     assert the_hash(second) == the_hash(whole)
-    state = checkpoint.load(tmp_path / "resumed" / "checkpoints" / checkpoint.checkpoint_name(100))
+    state = saved_state(tmp_path / "resumed", 100)
     assert all("cuda" in rng for rng in state["rng"]), state["rng"]
     assert not torch.equal(state["rng"][0]["cuda"], state["rng"][1]["cuda"])
     assert ("scale" in state["scaler"]) == (precision == "fp16"), state["scaler"]
