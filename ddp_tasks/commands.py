@@ -15,18 +15,16 @@ import shlex
 from dataclasses import dataclass, replace
 
 from ddp_tasks.cluster import hosts as cluster_hosts
+from ddp_tasks.runtimes import RUNTIMES as RUNTIME_CLASSES
 from launcher.env import parse_signal
 from launcher.errors import EXIT_PREEMPTED, LaunchError
 
 LAUNCHERS = ("mpirun", "srun")
 MPI_FLAVOURS = ("mpich", "openmpi")
-RUNTIMES = ("apptainer", "docker", "none")
-
-#: Apptainer lets a container's %environment override the host's value of a variable; a
-#: variable named APPTAINERENV_X becomes X inside the container whatever the image sets, and it
-#: also survives --cleanenv. So with Apptainer the launcher passes the program's variables
-#: under this prefix (the launcher's own PMI_* variables still cross as plain host variables).
-APPTAINER_ENV_PREFIX = "APPTAINERENV_"
+RUNTIMES = tuple(RUNTIME_CLASSES)
+#: srun --mpi: pmi2 speaks to the image's MPICH, pmix to its Open MPI; "default" leaves it to
+#: the site's MpiDefault (launcher.mpi_library picks the matching MPI in the image either way)
+SRUN_PMIS = ("pmi2", "pmix", "default")
 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 #: srun: seconds the other ranks get to end on their own after the first one ended, then they
@@ -53,9 +51,10 @@ class Launch:
     launcher: str = "mpirun"
     mpi: str = "mpich"
     runtime: str = "apptainer"
+    pmi: str = "pmi2"
     hosts: tuple[str, ...] = ()
     hostfile: str = ""
-    image: str = "ddp.sif"
+    image: str = ""  # empty: the runtime's default (ddp.sif, ddp-cpu, ...)
     gpus_per_node: int = 0
     cpus_per_task: int = 0
     binds: tuple[str, ...] = ()
@@ -76,6 +75,10 @@ class Batch:
     signal: str = "USR1"
     signal_seconds: int = 60
     output: str = "%x-%j.out"
+    #: more directives as sbatch options without "#SBATCH": "--mem=64G", "--qos=high"
+    directives: tuple[str, ...] = ()
+    #: shell lines run before srun, e.g. "module load openmpi/4.1"
+    setup: tuple[str, ...] = ()
 
 
 def parse_env(items: list[str] | tuple[str, ...]) -> tuple[tuple[str, str], ...]:
@@ -134,6 +137,8 @@ def validate(launch: Launch) -> None:
     _choose("--launcher", launch.launcher, LAUNCHERS)
     _choose("--mpi", launch.mpi, MPI_FLAVOURS)
     _choose("--runtime", launch.runtime, RUNTIMES)
+    _choose("--pmi", launch.pmi, SRUN_PMIS)
+    runtime = RUNTIME_CLASSES[launch.runtime]
     for flag, value in (("--nodes", launch.nodes), ("--procs-per-node", launch.procs_per_node)):
         if value < 1:
             raise LaunchError(f"{flag} {value} must be at least 1", hint=f"pass {flag} 1 or more")
@@ -148,9 +153,13 @@ def validate(launch: Launch) -> None:
             f"--hosts names {len(launch.hosts)} host(s) but --nodes is {launch.nodes}",
             hint=f"name one host per node, or pass --nodes {len(launch.hosts)}",
         )
-    if launch.binds and launch.runtime != "apptainer":
-        raise LaunchError(f"--bind needs --runtime apptainer, not {launch.runtime}",
-                          hint="drop --bind, or pass --runtime apptainer")
+    if launch.binds and not runtime.binds:
+        able = ", ".join(name for name, r in RUNTIME_CLASSES.items() if r.binds)
+        raise LaunchError(f"--bind needs a container runtime that binds ({able}), "
+                          f"not {launch.runtime}", hint="drop --bind, or pass --runtime with one")
+    if launch.launcher == "mpirun" and not runtime.mpirun_ok:
+        raise LaunchError(f"--runtime {launch.runtime} is an srun plugin: mpirun cannot use it",
+                          hint="pass --launcher srun")
     if launch.launcher == "srun":
         _validate_srun(launch)
     elif launch.runtime == "docker":
@@ -169,11 +178,11 @@ def _choose(flag: str, value: str, choices: tuple[str, ...]) -> None:
 
 
 def _validate_srun(launch: Launch) -> None:
-    if launch.runtime == "docker":
+    if not RUNTIME_CLASSES[launch.runtime].srun_ok:
         raise LaunchError(
             "--runtime docker cannot be started by srun",
-            hint="on Slurm use --runtime apptainer (or none); docker is for the compose cluster "
-            "with --launcher mpirun",
+            hint="on Slurm use --runtime apptainer, charliecloud, pyxis, podman-hpc or none; "
+            "docker is for the compose cluster with --launcher mpirun",
         )
     if launch.hostfile:
         raise LaunchError("srun takes no --hostfile", hint="pass --hosts a,b (becomes --nodelist)")
@@ -204,21 +213,13 @@ def program_argv(launch: Launch) -> list[str]:
 
 
 def container_argv(launch: Launch) -> list[str]:
-    """The hybrid model: the host's launcher starts one ``apptainer exec`` per rank."""
-    if launch.runtime != "apptainer":
-        return []
-    argv = ["apptainer", "exec"]
-    if launch.gpus_per_node:
-        argv.append("--nv")
-    for bind in launch.binds:
-        argv += ["--bind", bind]
-    return [*argv, launch.image]
+    """The hybrid model: the host's launcher starts the runtime once per rank."""
+    return RUNTIME_CLASSES[launch.runtime].exec_prefix(launch)
 
 
 def passed_env(launch: Launch) -> list[tuple[str, str]]:
-    """The program's variables under the names the launcher must set (see APPTAINER_ENV_PREFIX)."""
-    prefix = APPTAINER_ENV_PREFIX if launch.runtime == "apptainer" else ""
-    return [(prefix + name, value) for name, value in launch.env]
+    """The program's variables under the names the host launcher must set (runtimes.py)."""
+    return RUNTIME_CLASSES[launch.runtime].launcher_env(list(launch.env))
 
 
 def mpich_argv(launch: Launch) -> tuple[list[str], list[str]]:
@@ -249,7 +250,7 @@ def openmpi_argv(launch: Launch) -> tuple[list[str], list[str]]:
 
 
 def srun_argv(launch: Launch) -> tuple[list[str], list[str]]:
-    """``srun`` with PMI-2, which the MPICH inside the image speaks (PMIx would not match)."""
+    """``srun`` with the PMI asked for (PMI-2 by default: the image's MPICH speaks it)."""
     argv = ["srun", "--nodes", str(launch.nodes), "--ntasks-per-node", str(launch.procs_per_node)]
     if launch.hosts:
         argv += ["--nodelist", ",".join(launch.hosts)]
@@ -258,7 +259,10 @@ def srun_argv(launch: Launch) -> tuple[list[str], list[str]]:
     if launch.cpus_per_task:
         # since Slurm 22.05 srun no longer inherits sbatch's --cpus-per-task
         argv += ["--cpus-per-task", str(launch.cpus_per_task)]
-    argv += ["--mpi=pmi2", "--kill-on-bad-exit=0", f"--wait={STEP_EXIT_WAIT}"]
+    if launch.pmi != "default":
+        argv.append(f"--mpi={launch.pmi}")
+    argv += ["--kill-on-bad-exit=0", f"--wait={STEP_EXIT_WAIT}"]
+    argv += RUNTIME_CLASSES[launch.runtime].srun_options(launch)
     env = ["--export=" + ",".join(["ALL", *(f"{n}={v}" for n, v in passed_env(launch))])]
     return argv, env
 
@@ -309,6 +313,7 @@ def batch_script(launch: Launch, batch: Batch) -> str:
         directives.append(f"--partition={batch.partition}")
     if batch.account:
         directives.append(f"--account={batch.account}")
+    directives += [_directive(item) for item in batch.directives]
     directives += [
         # no "B:": the signal goes to the ranks, which checkpoint and exit 75
         f"--signal={parse_signal(batch.signal, '--signal')}@{batch.signal_seconds}",
@@ -323,11 +328,12 @@ def batch_script(launch: Launch, batch: Batch) -> str:
                 hint="use a value without spaces, quotes or backslashes",
             )
     header = "\n".join(f"#SBATCH {d}" for d in directives)
+    setup = "".join(f"{line}\n" for line in batch.setup)
     return f"""#!/bin/bash
 # Written by `invoke sbatch`; docs/launching.md explains each line.
 {header}
 
-{render(launch_segments(launch))}
+{setup}{render(launch_segments(launch))}
 status=$?
 # {EXIT_PREEMPTED}: the ranks caught the signal and saved a checkpoint. Requeue: the next run
 # resumes from it. Exit with scontrol's status, so the job counts as failed only when the
@@ -339,6 +345,12 @@ if [ "$status" -eq {EXIT_PREEMPTED} ]; then
 fi
 exit "$status"
 """
+
+
+def _directive(item: str) -> str:
+    """``mem=64G`` or ``--mem=64G`` as the option sbatch reads."""
+    item = item.strip()
+    return item if item.startswith("-") else f"--{item}"
 
 
 def submit_argv(script: str) -> list[str]:

@@ -321,4 +321,31 @@ def sif(c, output="ddp.sif", flavor="cpu", name=ic.DEFAULT_NAME, source="docker-
     subprocess.run(command, check=True, timeout=7200, cwd=ic.ROOT)
 
 
-TASKS = [base, build, push, sif]
+# ----------------------------------------------------------------------------------- chimage
+
+@task(help={
+    "output": "directory image to write (default ddp-FLAVOR: what `invoke run --runtime "
+              "charliecloud` runs); replaced if it exists",
+    "flavor": "flavor of the image to convert (default cpu)",
+    "name": f"image name (default {ic.DEFAULT_NAME})",
+    "image": "the engine's image to convert (default NAME:FLAVOR)",
+    "dry_run": "print the command, run nothing",
+})
+def chimage(c, output="", flavor="cpu", name=ic.DEFAULT_NAME, image="", dry_run=False):
+    """Convert the Docker image into a Charliecloud image for `ch-run` (needs ch-convert)."""
+    with user_errors():
+        command = ic.chimage_command(image or ic.image_tag(name, flavor),
+                                     output or f"{name}-{flavor}")
+        print(shlex.join(command), flush=True)
+        if dry_run:
+            return
+        if not shutil.which(command[0]):
+            raise LaunchError("ch-convert is not installed",
+                              hint="apt-get install charliecloud-builders charliecloud-runtime "
+                                   "(Debian 12), or see https://hpc.github.io/charliecloud/")
+    # ch-convert refuses an existing output; a new conversion replaces the old image
+    shutil.rmtree(command[-1], ignore_errors=True)
+    subprocess.run(command, check=True, timeout=1800, cwd=ic.ROOT)
+
+
+TASKS = [base, build, push, sif, chimage]

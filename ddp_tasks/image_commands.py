@@ -205,3 +205,9 @@ def sif_command(output: str, definition: str, executable: str = "apptainer",
                 fakeroot: bool = False) -> list[str]:
     """``apptainer build [--fakeroot] OUTPUT DEFINITION``."""
     return [executable, "build", *(["--fakeroot"] if fakeroot else []), output, definition]
+
+
+def chimage_command(image: str, output: str) -> list[str]:
+    """``ch-convert -i docker IMAGE OUTPUT``: a Charliecloud directory image from the engine's
+    image (a ``.sqfs`` OUTPUT makes a SquashFS file instead, which needs squashfuse to run)."""
+    return ["ch-convert", "-i", "docker", image, output]

@@ -23,15 +23,20 @@ HELP = {
     "procs_per_node": "ranks per node, e.g. one per GPU (default 1)",
     "launcher": "mpirun (MPI over ssh, or one machine) or srun (inside Slurm); default mpirun",
     "mpi": "for mpirun: mpich (Hydra mpiexec, the image's MPI) or openmpi; default mpich",
-    "runtime": "apptainer (one `apptainer exec` per rank), docker (mpiexec inside the compose "
-    "cluster's node0) or none (python on the host); default apptainer",
+    "runtime": "apptainer (`apptainer exec` per rank), charliecloud (`ch-run`), pyxis (srun "
+    "--container-image), podman-hpc, docker (mpiexec inside the compose cluster's node0) or "
+    "none (python on the host); default apptainer",
+    "pmi": "for srun: --mpi=pmi2 (default; the image's MPICH), pmix (the image's Open MPI) or "
+    "default (the site's MpiDefault)",
     "hosts": "one host per node: a,b or n[1-2] (Slurm form); docker default node0..node{N-1}",
     "prefix": "for --runtime docker: the container name prefix given to cluster.up --prefix",
     "hostfile": "for mpirun: a host file instead of --hosts",
-    "image": "apptainer image (default ddp.sif)",
+    "image": "the runtime's image: apptainer ddp.sif, charliecloud ddp-cpu (a directory from "
+    "`invoke chimage`), pyxis ddp+cpu.sqsh, podman-hpc ddp:cpu (the defaults)",
     "gpus_per_node": "GPUs per node: srun/sbatch --gpus-per-node and apptainer --nv (default 0)",
     "cpus_per_task": "CPUs per rank for Slurm; also the default OMP_NUM_THREADS",
-    "bind": "apptainer --bind SRC[:DST] (repeatable)",
+    "bind": "SRC[:DST] bound into the container (repeatable); the image has empty "
+    "/opt/host-mpi/lib and /scratch for runtimes that cannot create targets",
     "module": "Python module to run (default launcher.train)",
     "args": "arguments for the module, one shell-quoted string, e.g. '--epochs 3'",
     "env": "extra variable for every rank, NAME=VALUE (repeatable)",
@@ -49,6 +54,8 @@ HELP = {
     "signal_seconds": "send the preemption signal this many seconds before the limit (60)",
     "output": "Slurm output file (default %x-%j.out: job name and id; appended to on requeue)",
     "script": "where to write the batch script (default JOB_NAME.sbatch)",
+    "directive": "another #SBATCH option, e.g. mem=64G or --qos=high (repeatable)",
+    "setup": "a shell line run before srun, e.g. 'module load openmpi' (repeatable)",
     "submit": "also run sbatch and print the job id",
 }
 
@@ -89,13 +96,13 @@ def _launch(*, hosts, env, signal, omp_threads, master_addr, master_port, ifname
 @task(
     auto_shortflags=False,
     iterable=["bind", "env"],
-    help=_help("nodes", "procs_per_node", "launcher", "mpi", "runtime", "hosts", "prefix",
+    help=_help("nodes", "procs_per_node", "launcher", "mpi", "runtime", "pmi", "hosts", "prefix",
                "hostfile", "image", "gpus_per_node", "cpus_per_task", "bind", "module", "args",
                "env", "signal", "omp_threads", "master_addr", "master_port", "ifname",
                "dry_run"),
 )
 def run(c, nodes=1, procs_per_node=1, launcher="mpirun", mpi="mpich", runtime="apptainer",
-        hosts="", prefix="", hostfile="", image="ddp.sif", gpus_per_node=0, cpus_per_task=0,
+        pmi="pmi2", hosts="", prefix="", hostfile="", image="", gpus_per_node=0, cpus_per_task=0,
         bind=None, module="launcher.train", args="", env=None, signal="", omp_threads=0,
         master_addr="", master_port=0, ifname="", dry_run=False):
     """Launch NODES x PROCS_PER_NODE ranks of MODULE with mpirun or srun, in a container or not.
@@ -105,7 +112,8 @@ def run(c, nodes=1, procs_per_node=1, launcher="mpirun", mpi="mpich", runtime="a
     with _user_errors():
         launch = _launch(
             nodes=nodes, procs_per_node=procs_per_node, launcher=launcher, mpi=mpi,
-            runtime=runtime, hosts=hosts, container_prefix=prefix, hostfile=hostfile, image=image,
+            runtime=runtime, pmi=pmi, hosts=hosts, container_prefix=prefix, hostfile=hostfile,
+            image=image,
             gpus_per_node=gpus_per_node, cpus_per_task=cpus_per_task, bind=bind, module=module,
             args=tuple(shlex.split(args)), env=env, signal=signal, omp_threads=omp_threads,
             master_addr=master_addr, master_port=master_port, ifname=ifname,
@@ -121,16 +129,17 @@ def run(c, nodes=1, procs_per_node=1, launcher="mpirun", mpi="mpich", runtime="a
 
 @task(
     auto_shortflags=False,
-    iterable=["bind", "env"],
-    help=_help("nodes", "procs_per_node", "runtime", "image", "gpus_per_node", "cpus_per_task",
-               "bind", "module", "args", "env", "signal", "signal_seconds", "omp_threads",
-               "ifname", "job_name", "time", "partition", "account", "output", "script",
-               "submit"),
+    iterable=["bind", "env", "directive", "setup"],
+    help=_help("nodes", "procs_per_node", "runtime", "pmi", "image", "gpus_per_node",
+               "cpus_per_task", "bind", "module", "args", "env", "signal", "signal_seconds",
+               "omp_threads", "ifname", "job_name", "time", "partition", "account", "output",
+               "directive", "setup", "script", "submit"),
 )
-def sbatch(c, nodes=1, procs_per_node=1, runtime="apptainer", image="ddp.sif", gpus_per_node=0,
-           cpus_per_task=0, bind=None, module="launcher.train", args="", env=None, signal="",
-           signal_seconds=60, omp_threads=0, ifname="", job_name="ddp", time="01:00:00",
-           partition="", account="", output="%x-%j.out", script="", submit=False):
+def sbatch(c, nodes=1, procs_per_node=1, runtime="apptainer", pmi="pmi2", image="",
+           gpus_per_node=0, cpus_per_task=0, bind=None, module="launcher.train", args="",
+           env=None, signal="", signal_seconds=60, omp_threads=0, ifname="", job_name="ddp",
+           time="01:00:00", partition="", account="", output="%x-%j.out", directive=None,
+           setup=None, script="", submit=False):
     """Write a Slurm batch script that runs MODULE with srun and requeues itself on preemption.
 
     launcher.train gets `--resume auto` so a requeued job continues from its last checkpoint.
@@ -138,15 +147,17 @@ def sbatch(c, nodes=1, procs_per_node=1, runtime="apptainer", image="ddp.sif", g
     with _user_errors():
         launch = _launch(
             nodes=nodes, procs_per_node=procs_per_node, launcher="srun", runtime=runtime,
-            image=image, gpus_per_node=gpus_per_node, cpus_per_task=cpus_per_task, bind=bind,
-            module=module, args=commands.with_resume(module, tuple(shlex.split(args))), env=env,
+            pmi=pmi, image=image, gpus_per_node=gpus_per_node, cpus_per_task=cpus_per_task,
+            bind=bind, module=module, args=commands.with_resume(module, tuple(shlex.split(args))),
+            env=env,
             signal=signal, omp_threads=omp_threads, master_addr="", master_port=0,
             ifname=ifname, hosts="",
         )
         text = commands.batch_script(launch, commands.Batch(
             job_name=job_name, time=time, partition=partition, account=account,
             signal=_signal(signal),
-            signal_seconds=signal_seconds, output=output,
+            signal_seconds=signal_seconds, output=output, directives=tuple(directive or ()),
+            setup=tuple(setup or ()),
         ))
     path = Path(script or f"{job_name}.sbatch")
     path.write_text(text)

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
+from launcher import mpi_library
 from launcher.env import JobEnv, detect_environment
 from launcher.errors import LaunchError, report_and_exit
 from launcher.process_group import BACKEND_CHOICES, DistContext, process_group
@@ -34,7 +35,9 @@ MUST_MATCH = (
     "torch",
     "mpi4py",
     "mpi_library",
+    "mpi_abi",
     "libmpi_path",
+    "pmi",
     "cuda",
     "nccl",
     "image",
@@ -56,14 +59,18 @@ class RankReport:
     torch: str
     mpi4py: str
     mpi_library: str
+    mpi_abi: str  # the mpi4py extension loaded: "mpich" (libmpi.so.12) or "openmpi" (.so.40)
     libmpi_path: str
+    pmi: str  # what the launcher offered: "pmix", "pmi" (PMI-1/PMI-2) or "none"
+    mpi_choice: str  # why this libmpi (launcher.mpi_library)
     cuda: str
     nccl: str
     image: str
 
 
 def collect_report(env: JobEnv, device: torch.device) -> RankReport:
-    mpi_library, libmpi_path = _mpi_identity()
+    choice = mpi_library.load(env)
+    mpi_library_version, mpi_abi, libmpi_path = _mpi_identity()
     import mpi4py
 
     cuda = torch.version.cuda or "-"
@@ -81,16 +88,19 @@ def collect_report(env: JobEnv, device: torch.device) -> RankReport:
         python_version=platform.python_version(),
         torch=torch.__version__,
         mpi4py=mpi4py.__version__,
-        mpi_library=mpi_library,
+        mpi_library=mpi_library_version,
+        mpi_abi=mpi_abi,
         libmpi_path=libmpi_path,
+        pmi=env.pmi,
+        mpi_choice=choice.reason,
         cuda=cuda,
         nccl=nccl,
         image=env.image or "-",
     )
 
 
-def _mpi_identity() -> tuple[str, str]:
-    """MPI library version line and the path of the libmpi this process loaded."""
+def _mpi_identity() -> tuple[str, str, str]:
+    """MPI library version line, mpi4py's ABI and the path of the libmpi this process loaded."""
     import mpi4py
 
     if "mpi4py.MPI" not in sys.modules:
@@ -103,7 +113,8 @@ def _mpi_identity() -> tuple[str, str]:
     version = " ".join(MPI.Get_library_version().strip().splitlines()[0].split())
     with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
         paths = {line.split()[-1] for line in maps if "/libmpi" in line}
-    return version, ",".join(sorted(paths)) or "-"
+    abi = MPI.__file__.rsplit("/", 1)[-1].split(".")[1]  # MPI.<abi>.cpython-...so
+    return version, abi, ",".join(sorted(paths)) or "-"
 
 
 def find_differences(reports: list[RankReport]) -> list[str]:
@@ -136,14 +147,14 @@ def _ranges(ranks: list[int]) -> str:
 
 def format_table(reports: list[RankReport]) -> str:
     columns = ("rank", "local_rank", "node_rank", "host", "launcher", "device",
-               "python_version", "torch", "mpi4py", "mpi_library")
+               "pmi", "mpi_abi", "python_version", "torch", "mpi4py", "mpi_library")
     rows = [[str(getattr(r, c)) for c in columns] for r in reports]
     widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(columns)]
     header = "  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)).rstrip()
     body = ["  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip()
             for row in rows]
     shared = reports[0]
-    footer = [f"{field}: {getattr(shared, field)}" for field in MUST_MATCH]
+    footer = [f"{field}: {getattr(shared, field)}" for field in (*MUST_MATCH, "mpi_choice")]
     return "\n".join([header, *body, "", *footer])
 
 

@@ -47,6 +47,9 @@ class JobEnv:
     visible_devices: str | None = None  # CUDA_VISIBLE_DEVICES as given
     image: str | None = None  # DDP_IMAGE: identity of the project's container image
     preempt_signal: str = "USR1"  # DDP_PREEMPT_SIGNAL, a name without "SIG"
+    pmi: str = "none"  # what the launcher offers MPI: "pmix" | "pmi" (PMI-1/PMI-2) | "none"
+    library_path: tuple[str, ...] = ()  # LD_LIBRARY_PATH's directories, in order
+    mpi4py_request: str | None = None  # MPI4PY_LIBMPI / MPI4PY_MPIABI as the user set them
 
     @property
     def is_main(self) -> bool:
@@ -68,6 +71,26 @@ def parse_signal(value: str, variable: str = "DDP_PREEMPT_SIGNAL") -> str:
             "reaches every rank, not only the batch shell)",
         )
     return name
+
+
+def launch_pmi(environ: Mapping[str, str]) -> str:
+    """The process-management interface the launcher serves this rank, from its variables.
+
+    PMIx servers (srun --mpi=pmix, Open MPI's mpirun/prterun) export PMIX_RANK and
+    PMIX_NAMESPACE; PMI-1/PMI-2 servers (Hydra, srun --mpi=pmi2, Cray PMI) export PMI_RANK
+    and a PMI_FD or PMI_PORT to reach them.
+    """
+    if "PMIX_RANK" in environ or "PMIX_NAMESPACE" in environ:
+        return "pmix"
+    if any(name in environ for name in ("PMI_FD", "PMI_PORT", "PMI_RANK")):
+        return "pmi"
+    return "none"
+
+
+def _mpi4py_request(environ: Mapping[str, str]) -> str | None:
+    given = [f"{name}={environ[name]}" for name in ("MPI4PY_LIBMPI", "MPI4PY_MPIABI")
+             if environ.get(name, "").strip()]
+    return " ".join(given) or None
 
 
 def _master_port(environ: Mapping[str, str]) -> int | None:
@@ -147,6 +170,9 @@ def detect_environment(
         visible_devices=environ.get("CUDA_VISIBLE_DEVICES"),
         image=environ.get("DDP_IMAGE") or None,
         preempt_signal=parse_signal(environ.get("DDP_PREEMPT_SIGNAL", "USR1")),
+        pmi=launch_pmi(environ),
+        library_path=tuple(filter(None, environ.get("LD_LIBRARY_PATH", "").split(":"))),
+        mpi4py_request=_mpi4py_request(environ),
     )
 
 
@@ -154,6 +180,7 @@ def describe(env: JobEnv, environ: Mapping[str, str]) -> str:
     """A human table of ``env``, with a note when the allocation is not being used."""
     rows = dataclasses.asdict(env)
     rows["hosts"] = ",".join(env.hosts) or "-"
+    rows["library_path"] = ":".join(env.library_path) or "-"
     width = max(len(key) for key in rows)
     lines = [f"{key:<{width}}  {'-' if value is None else value}" for key, value in rows.items()]
     if env.launcher == "single" and Slurm.job_id(environ) is not None:

@@ -622,8 +622,9 @@ def _check_world(rank: int, size: int, source: str) -> str | None:
             f"{world.rank} of {world.size}")
 
 
-_HINT = ("start every rank through MPI: mpiexec -n N, or under Slurm srun --mpi=pmi2 (with "
-         "--mpi=none each task is an MPI world of its own); when calling init_process_group "
+_HINT = ("start every rank through MPI: mpiexec -n N, or under Slurm srun --mpi=pmi2 or "
+         "--mpi=pmix (with --mpi=none each task is an MPI world of its own); when calling "
+         "init_process_group "
          "yourself, pass rank=MPI.COMM_WORLD.rank and world_size=MPI.COMM_WORLD.size")
 
 

@@ -26,6 +26,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from launcher import mpi_library
 from launcher.env import JobEnv, local_device_index
 from launcher.errors import LaunchError, PeerLost
 
@@ -83,6 +84,10 @@ def process_group(
     A communication failure inside the body (a peer died, the network was cut, a collective
     timed out) comes out as ``PeerLost`` naming the ranks and hosts that stopped answering.
     """
+    if backend == "mpi":
+        mpi_library.ensure_startable(env)
+    else:
+        mpi_library.load(env)
     cuda_available = torch.cuda.is_available()
     name = select_backend(backend, cuda_available, dist.is_mpi_available())
     device = bind_device(env, cuda_available)

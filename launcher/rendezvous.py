@@ -21,6 +21,7 @@ import ipaddress
 import socket
 from dataclasses import replace
 
+from launcher import mpi_library
 from launcher.env import JobEnv
 from launcher.errors import LaunchError
 
@@ -62,7 +63,8 @@ def resolve_rendezvous(env: JobEnv) -> JobEnv:
     return env
 
 
-def _comm_world():
+def _comm_world(env: JobEnv):
+    mpi_library.load(env)
     from mpi4py import MPI
 
     if not MPI.Is_initialized():
@@ -73,7 +75,7 @@ def _comm_world():
 
 
 def _over_mpi(env: JobEnv) -> JobEnv:
-    comm = _comm_world()
+    comm = _comm_world(env)
     if (comm.Get_rank(), comm.Get_size()) != (env.rank, env.world_size):
         raise LaunchError(
             f"the launcher says rank {env.rank} of {env.world_size} ({env.launcher}) but MPI "

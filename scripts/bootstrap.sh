@@ -18,6 +18,10 @@ SYSTEM_PACKAGES=(
     python3-venv
     docker.io docker-compose debootstrap docker-registry
     slurm-wlm munge
+    # Slurm's mpi/pmix plugin dlopens libpmix.so (slurmd must start after it is installed)
+    libpmix2 libpmix-dev
+    # an HPC container runtime of Apptainer's kind (no daemon, host network and PIDs)
+    charliecloud-runtime charliecloud-builders
     shellcheck openssh-client
 )
 

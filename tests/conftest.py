@@ -5,4 +5,5 @@ pytest_plugins = [
     "tests.fixtures.docker",
     "tests.fixtures.slurm",
     "tests.fixtures.cluster",
+    "tests.fixtures.host_mpi",
 ]

@@ -35,6 +35,7 @@ def test_def_labels_pin_the_dockerfile_versions():
     assert found["io.ddp.python"] == pins["PYTHON_VERSION"]
     assert found["io.ddp.flavor"] == pins["FLAVOR"]
     assert found["io.ddp.mpi"].startswith(f"mpich {pins['MPICH_VERSION']} ")
+    assert found["io.ddp.mpi.openmpi"].startswith(f"openmpi {pins['OPENMPI_VERSION']} ")
 
 
 def test_def_environment_matches_the_image():

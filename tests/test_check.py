@@ -17,7 +17,8 @@ def _report(rank: int, **overrides: str) -> RankReport:
     fields = dict(
         rank=rank, local_rank=rank, node_rank=0, host="n0", launcher="hydra", device="cpu",
         python_executable="/opt/ddp/venv/bin/python", python_version="3.11.2", torch="2.13.0",
-        mpi4py="4.1.2", mpi_library="MPICH Version: 5.0.2", libmpi_path="/x/libmpi.so.12",
+        mpi4py="4.1.2", mpi_library="MPICH Version: 5.0.2", mpi_abi="mpich",
+        libmpi_path="/x/libmpi.so.12", pmi="pmi", mpi_choice="bundled, for PMI pmi",
         cuda="-", nccl="-", image="ddp:cpu",
     )
     fields.update(overrides)

@@ -1,44 +1,27 @@
-"""The hybrid model's premise, run for real inside the cpu image: the image's mpi4py, compiled
-against its MPICH, runs 2 ranks on the Intel MPI runtime when Intel's libmpi.so.12 comes first
-on LD_LIBRARY_PATH and Intel's mpiexec starts the ranks (as a site's Intel MPI bound in by
-Apptainer would). Intel MPI comes from PyPI (`impi-rt`), installed on the host in a prefix of
-its own and bind-mounted, like a host MPI.
+"""The bind model's premise, run for real inside the cpu image under Docker: a plain
+``from mpi4py import MPI`` (a user's own script, no launcher code) runs 2 ranks on the Intel
+MPI runtime when Intel's libmpi.so.12 comes first on LD_LIBRARY_PATH and Intel's mpiexec starts
+the ranks (as a site's Intel MPI bound in by Apptainer would): the image's venv chooses the
+library as launcher.mpi_library does. Intel MPI comes from PyPI (`impi-rt`), installed on the
+host in a prefix of its own and bind-mounted, like a host MPI. The same through ch-run, with
+the launcher: tests/test_host_launchers.py.
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 from tests.fixtures.docker import COLD_BUILD_TIMEOUT
+from tests.fixtures.host_mpi import IMPI_ENV, IMPI_VERSION
 
 pytestmark = [pytest.mark.docker, pytest.mark.timeout(COLD_BUILD_TIMEOUT)]
 
-IMPI_VERSION = "2021.18.1"
 # one write per line: the image runs Python unbuffered, and two ranks share one pipe
 HELLO = (
     "import os; from mpi4py import MPI; c = MPI.COMM_WORLD; s = c.allreduce(c.Get_rank() + 1); "
     "os.write(1, f'rank {c.Get_rank()}/{c.Get_size()} sum {s} | "
     "{MPI.Get_library_version().splitlines()[0]}\\n'.encode())"
 )
-# one node: shared memory only, and ranks forked locally instead of over ssh
-IMPI_ENV = {"I_MPI_FABRICS": "shm", "I_MPI_HYDRA_BOOTSTRAP": "fork"}
-
-
-@pytest.fixture(scope="session")
-def impi_prefix() -> Path:
-    """Intel MPI's runtime from PyPI in its own prefix (bin/, lib/), kept between sessions."""
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-    prefix = cache / "ddp-tests" / f"impi-rt-{IMPI_VERSION}"
-    if not (prefix / "lib" / "libmpi.so.12").exists():
-        # a prefix, not --target: the wheel's bin/ and lib/ are data files outside site-packages
-        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--prefix",
-                        str(prefix), f"impi-rt=={IMPI_VERSION}"], check=True, timeout=900)
-    return prefix
 
 
 def test_image_mpi4py_runs_two_ranks_on_intel_mpi(cpu_image, impi_prefix, run_in_image):

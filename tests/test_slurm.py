@@ -98,13 +98,24 @@ def test_check_passes_under_srun(slurm_cluster, backend):
 
 
 def test_check_without_pmi_explains_the_mismatch(slurm_cluster):
-    """``srun --mpi=none``: MPI starts every task as rank 0 of 1 -- one clear error, a HINT."""
+    """``srun --mpi=none``: MPI would start every task as rank 0 of 1 -- one clear error and a
+    HINT on every rank before MPI starts, exit 2."""
     result = slurm_cluster.srun(["-n", "2", "--mpi=none", PY, "-m", "launcher.check",
                                  "--backend", "mpi", "--timeout", "60"],
                                 timeout=TORCH_TIMEOUT, cwd=REPO_ROOT)
-    assert result.returncode != 0, result.stdout
-    assert "rank 1 of 2" in result.stderr and "rank 0 of 1" in result.stderr, result.stderr
-    assert "HINT:" in result.stderr and "Traceback" not in result.stderr, result.stderr
+    assert result.returncode == 2, result.stdout
+    for rank in (0, 1):
+        assert f"[rank {rank}] error: srun started the tasks without a PMI" in result.stderr
+        assert f"[rank {rank}] HINT: under Slurm pass srun --mpi=pmi2" in result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+
+
+def test_gloo_needs_no_pmi(slurm_cluster):
+    """The same launch with gloo is fine: only MPI needs the PMI."""
+    result = slurm_cluster.srun(["-n", "2", "--mpi=none", PY, "-m", "launcher.check",
+                                 "--backend", "gloo", "--timeout", "60"],
+                                timeout=TORCH_TIMEOUT, cwd=REPO_ROOT)
+    assert "check passed" in _ok(result)
 
 
 def test_train_ends_with_identical_weights(slurm_cluster, tmp_path):

@@ -1,0 +1,154 @@
+"""Container runtimes on the host side: one small class per runtime, with a fixed interface.
+
+Each knows the four things a launch needs from it: the prefix that runs a rank's program in
+the image (``exec_prefix``), how the program's variables reach the rank (``launcher_env``:
+the names the host launcher must set; ``exec_prefix`` may carry them instead), its bind
+syntax, and its GPU flag. ``srun_options`` is for the one runtime that is an srun plugin
+(Pyxis). ``RUNTIMES`` lists them by name; ``ddp_tasks.commands`` only asks these methods.
+
+What crosses into the container, per runtime (docs/launching.md, "Runtimes"):
+
+- apptainer: host variables, but the image's %environment wins over them; a variable named
+  APPTAINERENV_X becomes X whatever the image sets (and survives --cleanenv).
+- charliecloud: host variables pass through; the image's ENV applies only with ``--set-env``,
+  and ``--set-env=NAME=VALUE`` after it sets ours on top. A bind target must exist in the
+  image (the image has /opt/host-mpi/lib, /opt/host-mpi/libfabric and /scratch).
+- pyxis: host variables, but values the image sets win unless named in ``--container-env``.
+- podman-hpc: only what ``-e`` names; ``--mpi`` and ``--gpu`` are its site modules.
+- docker: mpiexec runs inside the compose cluster's first container (not per rank).
+- none: python on the host.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ddp_tasks.commands import Launch
+
+Env = list[tuple[str, str]]
+
+
+class Runtime:
+    """``none``: the program runs on the host, its variables set by the launcher."""
+
+    name = "none"
+    default_image = ""
+    #: whether ranks can be started by srun / by mpirun from the host
+    srun_ok = True
+    mpirun_ok = True
+
+    def launcher_env(self, env: Env) -> Env:
+        return list(env)
+
+    def exec_prefix(self, launch: Launch) -> list[str]:
+        return []
+
+    def srun_options(self, launch: Launch) -> list[str]:
+        return []
+
+    def bind_args(self, bind: str) -> list[str]:
+        return []
+
+    def gpu_args(self) -> list[str]:
+        return []
+
+    @property
+    def binds(self) -> bool:
+        return type(self).bind_args is not Runtime.bind_args
+
+
+class Apptainer(Runtime):
+    name, default_image = "apptainer", "ddp.sif"
+    ENV_PREFIX = "APPTAINERENV_"
+
+    def launcher_env(self, env: Env) -> Env:
+        return [(self.ENV_PREFIX + name, value) for name, value in env]
+
+    def bind_args(self, bind: str) -> list[str]:
+        return ["--bind", bind]
+
+    def gpu_args(self) -> list[str]:
+        return ["--nv"]
+
+    def exec_prefix(self, launch: Launch) -> list[str]:
+        argv = ["apptainer", "exec"]
+        if launch.gpus_per_node:
+            argv += self.gpu_args()
+        for bind in launch.binds:
+            argv += self.bind_args(bind)
+        return [*argv, launch.image or self.default_image]
+
+
+class Charliecloud(Runtime):
+    """``ch-run``; GPUs need the host's driver injected once: ``ch-fromhost --nvidia IMAGE``."""
+
+    name, default_image = "charliecloud", "ddp-cpu"
+
+    def launcher_env(self, env: Env) -> Env:
+        return []
+
+    def bind_args(self, bind: str) -> list[str]:
+        return ["-b", bind]
+
+    def exec_prefix(self, launch: Launch) -> list[str]:
+        argv = ["ch-run"]
+        for bind in launch.binds:
+            argv += self.bind_args(bind)
+        argv.append("--set-env")
+        argv += [f"--set-env={name}={value}" for name, value in launch.env]
+        return [*argv, launch.image or self.default_image, "--"]
+
+
+class Pyxis(Runtime):
+    """Pyxis/enroot: srun's own ``--container-*`` options, nothing in front of the program."""
+
+    name, default_image = "pyxis", "ddp+cpu.sqsh"
+    mpirun_ok = False
+
+    def bind_args(self, bind: str) -> list[str]:
+        return [bind]
+
+    def srun_options(self, launch: Launch) -> list[str]:
+        options = [f"--container-image={launch.image or self.default_image}"]
+        if launch.binds:
+            options.append("--container-mounts=" + ",".join(launch.binds))
+        if launch.env:
+            options.append("--container-env=" + ",".join(name for name, _ in launch.env))
+        return options
+
+
+class PodmanHpc(Runtime):
+    name, default_image = "podman-hpc", "ddp:cpu"
+
+    def launcher_env(self, env: Env) -> Env:
+        return []
+
+    def bind_args(self, bind: str) -> list[str]:
+        return ["-v", bind]
+
+    def gpu_args(self) -> list[str]:
+        return ["--gpu"]
+
+    def exec_prefix(self, launch: Launch) -> list[str]:
+        argv = ["podman-hpc", "run", "--rm", "--mpi"]
+        if launch.gpus_per_node:
+            argv += self.gpu_args()
+        for bind in launch.binds:
+            argv += self.bind_args(bind)
+        for name, value in launch.env:
+            argv += ["-e", f"{name}={value}"]
+        return [*argv, launch.image or self.default_image]
+
+
+class Docker(Runtime):
+    """The compose cluster: ``docker exec`` into node0, where mpiexec reaches the others."""
+
+    name = "docker"
+    srun_ok = False
+
+
+RUNTIMES: dict[str, Runtime] = {
+    runtime.name: runtime
+    for runtime in (Apptainer(), Charliecloud(), Pyxis(), PodmanHpc(), Docker(), Runtime())
+}

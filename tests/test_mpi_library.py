@@ -1,0 +1,127 @@
+"""Which libmpi a rank loads (launcher.mpi_library), with faked launch environments and
+libraries in temporary directories. The real launches are in tests/test_host_launchers.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from launcher import mpi_library
+from launcher.env import detect_environment, launch_pmi
+from launcher.errors import LaunchError
+
+SLURM_STEP = {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_STEP_ID": "0", "SLURM_JOB_ID": "7",
+              "SLURM_LOCALID": "1", "SLURM_STEP_NODELIST": "n1", "SLURM_NODEID": "0",
+              "SLURM_STEP_TASKS_PER_NODE": "2"}
+HYDRA = {"PMI_RANK": "1", "PMI_SIZE": "2", "PMI_FD": "5", "MPI_LOCALRANKID": "1",
+         "MPI_LOCALNRANKS": "2"}
+OPENMPI = {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2",
+           "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+           "PMIX_RANK": "1", "PMIX_NAMESPACE": "prterun-vm-1@1"}
+
+
+@pytest.mark.parametrize("environ, pmi", [
+    ({}, "none"),
+    (HYDRA, "pmi"),
+    ({**SLURM_STEP, "PMI_RANK": "1", "PMI_SIZE": "2", "PMI_FD": "4"}, "pmi"),  # srun pmi2
+    ({**SLURM_STEP, "PMIX_RANK": "1", "PMIX_NAMESPACE": "slurm.pmix.7.0"}, "pmix"),
+    (OPENMPI, "pmix"),
+    (SLURM_STEP, "none"),  # srun --mpi=none
+])
+def test_the_pmi_is_read_from_the_servers_variables(environ, pmi):
+    assert launch_pmi(environ) == pmi
+
+
+def _library(directory: Path, name: str) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / name).write_bytes(b"")
+    return directory / name
+
+
+@pytest.fixture
+def bundled(tmp_path) -> tuple[Path, Path]:
+    """A venv's MPICH and a prefix's Open MPI, as in the image."""
+    return (_library(tmp_path / "venv" / "lib", "libmpi.so.12"),
+            _library(tmp_path / "openmpi" / "lib", "libmpi.so.40"))
+
+
+def choose(environ: dict[str, str], bundled) -> mpi_library.MpiChoice:
+    return mpi_library.choose(detect_environment(environ, hostname="n1"), bundled)
+
+
+@pytest.mark.parametrize("environ, abi", [
+    (HYDRA, "mpich"),
+    ({**SLURM_STEP, "PMI_RANK": "1", "PMI_SIZE": "2", "PMI_FD": "4"}, "mpich"),
+    ({**SLURM_STEP, "PMIX_RANK": "1"}, "openmpi"),
+    (OPENMPI, "openmpi"),
+    ({}, "mpich"),
+])
+def test_the_launchers_pmi_picks_the_bundled_mpi(environ, abi, bundled):
+    choice = choose(environ, bundled)
+    assert (choice.abi, Path(choice.path)) == (abi, bundled[abi == "openmpi"])
+
+
+@pytest.mark.parametrize("name, abi", [("libmpi.so.12", "mpich"), ("libmpi.so.40", "openmpi"),
+                                       ("libmpi.so", "")])
+def test_a_libmpi_bound_in_on_ld_library_path_wins(tmp_path, bundled, name, abi):
+    host = _library(tmp_path / "host-mpi" / "lib", name)
+    path = f"{tmp_path / 'empty'}:{host.parent}:{bundled[0].parent}"
+    for environ in (HYDRA, OPENMPI):
+        choice = choose({**environ, "LD_LIBRARY_PATH": path}, bundled)
+        assert (choice.abi, choice.path) == (abi, str(host))
+        assert "LD_LIBRARY_PATH" in choice.reason
+
+
+def test_the_bundled_directories_on_ld_library_path_do_not_count_as_bound_in(bundled):
+    choice = choose({**OPENMPI, "LD_LIBRARY_PATH": str(bundled[0].parent)}, bundled)
+    assert choice.path == str(bundled[1])
+
+
+def test_the_users_mpi4py_variables_are_left_alone(bundled):
+    choice = choose({**HYDRA, "MPI4PY_LIBMPI": "/site/libmpi.so"}, bundled)
+    assert (choice.path, choice.reason) == ("", "MPI4PY_LIBMPI=/site/libmpi.so (set by the user)")
+
+
+def test_only_the_mpi5_standard_abi_is_an_error_with_a_hint(tmp_path, bundled):
+    host = _library(tmp_path / "abi", "libmpi_abi.so")
+    with pytest.raises(LaunchError) as error:
+        choose({**HYDRA, "LD_LIBRARY_PATH": str(host.parent)}, bundled)
+    assert "MPI-5 standard ABI" in error.value.message and "libmpi.so.12" in error.value.hint
+
+
+def test_load_points_mpi4py_at_the_choice_once(monkeypatch, bundled):
+    monkeypatch.setattr(mpi_library, "_loaded", None)
+    monkeypatch.setattr(mpi_library, "BUNDLED_MPICH", bundled[0])
+    monkeypatch.setattr(mpi_library, "BUNDLED_OPENMPI", bundled[1])
+    monkeypatch.delitem(mpi_library.sys.modules, "mpi4py.MPI", raising=False)
+    for name in ("MPI4PY_LIBMPI", "MPI4PY_MPIABI", mpi_library.CMA_VARIABLE):
+        monkeypatch.delenv(name, raising=False)
+    env = detect_environment(HYDRA, hostname="n1")
+    assert mpi_library.load(env).path == str(bundled[0])
+    assert mpi_library.os.environ["MPI4PY_LIBMPI"] == str(bundled[0])
+    assert "MPI4PY_MPIABI" not in mpi_library.os.environ  # it would skip loading the path
+    assert mpi_library.os.environ[mpi_library.CMA_VARIABLE] == "0"
+    # a second call, even for another launch, keeps the first choice: mpi4py loads once
+    assert mpi_library.load(detect_environment(OPENMPI, hostname="n1")).path == str(bundled[0])
+
+
+@pytest.mark.parametrize("environ, cause", [
+    (SLURM_STEP, "srun started the tasks without a PMI"),
+    ({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+      "MASTER_ADDR": "n1", "MASTER_PORT": "29500"}, "torchrun offers no MPI"),
+])
+def test_a_launch_without_pmi_cannot_start_mpi(monkeypatch, environ, cause):
+    monkeypatch.setattr(mpi_library, "_loaded", mpi_library.MpiChoice("mpich", "", "test"))
+    with pytest.raises(LaunchError) as error:
+        mpi_library.ensure_startable(detect_environment(environ, hostname="n1"))
+    assert cause in error.value.message and "--backend gloo" in error.value.hint
+
+
+def test_pmix_with_the_bundled_mpich_is_refused_before_it_aborts(monkeypatch):
+    choice = mpi_library.MpiChoice("mpich", str(mpi_library.BUNDLED_MPICH), "test")
+    monkeypatch.setattr(mpi_library, "_loaded", choice)
+    with pytest.raises(LaunchError) as error:
+        mpi_library.ensure_startable(detect_environment({**SLURM_STEP, "PMIX_RANK": "1"},
+                                                        hostname="n1"))
+    assert "does not speak" in error.value.message and "--mpi=pmi2" in error.value.hint
