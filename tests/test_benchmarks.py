@@ -57,3 +57,22 @@ def test_train_scaling_benchmark_splits_weak_scaling_and_measures_the_broadcast(
     assert sum(r["model"] == "cnn" for r in report["runs"]) == 10
     assert set(report["weak_step_breakdown"]) == {"1 rank", "2 ranks gloo", "2 ranks mpi"}
     assert "= machine" in result.stdout and "Where a step goes" in result.stdout
+
+
+@pytest.mark.runtime
+def test_container_cost_benchmark_compares_venv_and_ch_run(ch_image, tmp_path):
+    out = tmp_path / "container_cost.json"
+    result = subprocess.run(
+        [sys.executable, "benchmarks/container_cost.py", "--image", str(ch_image), "--rounds",
+         "1", "--calls", "5", "--json", str(out)],
+        cwd=REPO_ROOT, env=clean_environ(), capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(out.read_text())
+    assert set(report["median_s"]) == {"venv", "ch-run", "venv, CMA off"}
+    for times in report["median_s"].values():
+        assert set(times) == {str(1 << 20), str(16 << 20)} and min(times.values()) > 0
+    ratios = report["ratio_venv_over_ch_run"]
+    assert ratios == {size: report["median_s"]["venv"][size] / report["median_s"]["ch-run"][size]
+                      for size in ratios}
+    assert out.with_suffix(".png").stat().st_size > 0
+    assert "ch-run ratio" in result.stdout

