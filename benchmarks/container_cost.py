@@ -11,7 +11,9 @@ falls on all of them alike:
 - ``ch-run``: each rank runs in the image (``mpiexec ... ch-run --set-env IMG -- python``), the
   hybrid model with the image's MPICH and its defaults (CMA off, see docs/image.md);
 - ``venv, CMA off``: the venv again with ``MPIR_CVAR_CH4_CMA_ENABLE=0``, to tell the cost of
-  the container from the cost of that setting.
+  the container from the cost of that setting;
+- ``ch-run --join, CMA on``: the ranks of the node share one container (``--join``), so
+  MPICH's single-copy transfers work between them, and CMA is switched back on.
 
 Every contender times ``dist.all_reduce`` of the mpi4py backend at each size (each call after
 a barrier, counted as its slowest rank took) and reports the median call; the summary is the
@@ -68,12 +70,19 @@ def contenders(image: Path, mpiexec: Path) -> dict[str, tuple[list[str], dict[st
     """name -> (argv before the worker's arguments, extra environment)."""
     here = Path(__file__).relative_to(ROOT)
     venv = [str(mpiexec), "-n", "2", sys.executable, str(ROOT / here)]
-    ch_run = [str(mpiexec), "-n", "2", "ch-run", "-b", f"{ROOT}:{MOUNT}", "--set-env",
-              str(image), "--", "python", f"{MOUNT}/{here}"]
+
+    def ch_run(*options: str) -> list[str]:
+        # options after the plain --set-env, so that an option's variable beats the image's
+        return [str(mpiexec), "-n", "2", "ch-run", "-b", f"{ROOT}:{MOUNT}", "--set-env",
+                *options, str(image), "--", "python", f"{MOUNT}/{here}"]
+
     return {
         "venv": (venv, {}),
-        "ch-run": (ch_run, {}),
+        "ch-run": (ch_run(), {}),
         "venv, CMA off": (venv, {"MPIR_CVAR_CH4_CMA_ENABLE": "0"}),
+        # Hydra exports no count of a node's ranks that ch-run understands: count and tag named
+        "ch-run --join, CMA on": (ch_run("--join-ct=2", f"--join-tag=ddp-bench-{os.getpid()}",
+                                         "--set-env=MPIR_CVAR_CH4_CMA_ENABLE=1"), {}),
     }
 
 
@@ -111,18 +120,19 @@ def main() -> None:
         print(f"round {round_index + 1}/{args.rounds} done", file=sys.stderr, flush=True)
     median = {name: {size: statistics.median(run[size] for run in runs_)
                      for size in SIZES} for name, runs_ in samples.items()}
-    print(f"{'size':>8}  " + "  ".join(f"{name:>16}" for name in runs) + "  ch-run ratio")
+    print(f"{'size':>8}  " + "  ".join(f"{name:>22}" for name in runs))
     for size in SIZES:
-        times = "  ".join(f"{median[name][size] * 1e3:13.3f} ms" for name in runs)
-        ratio = median["venv"][size] / median["ch-run"][size]
-        print(f"{human(size):>8}  {times}  {ratio:11.2f}x")
+        venv = median["venv"][size]
+        cells = [f"{m[size] * 1e3:8.3f} ms ({venv / m[size]:4.2f}x)" for m in median.values()]
+        print(f"{human(size):>8}  " + "  ".join(f"{cell:>22}" for cell in cells))
+    print("(x: venv time / contender time; 1.00x = the same speed as the venv)")
     if args.json:
         record = {"sizes": list(SIZES), "rounds": args.rounds, "calls": args.calls,
                   "median_s": {n: {str(s): v for s, v in m.items()} for n, m in median.items()},
                   "rounds_s": {n: [{str(s): v for s, v in r.items()} for r in rs]
                                for n, rs in samples.items()},
-                  "ratio_venv_over_ch_run": {str(s): median["venv"][s] / median["ch-run"][s]
-                                             for s in SIZES}}
+                  "ratio_venv_over": {n: {str(s): median["venv"][s] / m[s] for s in SIZES}
+                                      for n, m in median.items()}}
         args.json.write_text(json.dumps(record, indent=1) + "\n")
         plot(median, args.json.with_suffix(".png"))
 
