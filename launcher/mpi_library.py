@@ -17,11 +17,13 @@ and put on ``LD_LIBRARY_PATH`` would be ignored. ``choose`` decides instead, in 
 
 ``load(env)`` applies the choice through mpi4py's ``MPI4PY_LIBMPI`` and is idempotent;
 ``ensure_startable(env)`` turns the launches that cannot form an MPI world into one
-``LaunchError`` before MPI is initialised (where they would abort or form singletons).
+``LaunchError`` before MPI is initialised (where they would abort or form singletons);
+``start(env)`` does both and starts MPI, the one place that does.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import sys
@@ -124,6 +126,22 @@ def at_startup() -> None:
     # on a bad launch variable: mpi4py's own search; the entry points detect again and say why
     with contextlib.suppress(LaunchError):
         load(detect_environment())
+
+
+def start(env: JobEnv):
+    """``MPI.COMM_WORLD``, with MPI started if nobody has: ``load(env)`` first, and a
+    LaunchError before MPI_Init for launches MPI cannot join (``ensure_startable``).
+
+    mpi4py may already be imported without starting MPI (``launcher.check`` reads the library
+    version that way), so importing it again would not start it.
+    """
+    ensure_startable(env)
+    from mpi4py import MPI
+
+    if not MPI.Is_initialized():
+        MPI.Init_thread(MPI.THREAD_MULTIPLE)
+        atexit.register(lambda: MPI.Is_finalized() or MPI.Finalize())
+    return MPI.COMM_WORLD
 
 
 def ensure_startable(env: JobEnv) -> MpiChoice:

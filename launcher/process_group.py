@@ -85,7 +85,7 @@ def process_group(
     timed out) comes out as ``PeerLost`` naming the ranks and hosts that stopped answering.
     """
     if backend == "mpi":
-        mpi_library.ensure_startable(env)
+        mpi_library.start(env)
     else:
         mpi_library.load(env)
     cuda_available = torch.cuda.is_available()

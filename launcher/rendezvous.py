@@ -11,12 +11,12 @@
 - torchrun and Slurm always provide both, so nothing is done for them.
 
 The port is free when rank 0 picks it; something else may take it before torch binds it, a
-window of milliseconds. ``mpi4py`` is imported here only, lazily: detection never starts MPI.
+window of milliseconds. MPI is started here only through ``launcher.mpi_library.start``, lazily:
+detection never starts MPI.
 """
 
 from __future__ import annotations
 
-import atexit
 import ipaddress
 import socket
 from dataclasses import replace
@@ -63,19 +63,8 @@ def resolve_rendezvous(env: JobEnv) -> JobEnv:
     return env
 
 
-def _comm_world(env: JobEnv):
-    mpi_library.load(env)
-    from mpi4py import MPI
-
-    if not MPI.Is_initialized():
-        # someone imported mpi4py with rc.initialize=False (to query MPI without starting it)
-        MPI.Init_thread(MPI.THREAD_MULTIPLE)
-        atexit.register(lambda: MPI.Is_finalized() or MPI.Finalize())
-    return MPI.COMM_WORLD
-
-
 def _over_mpi(env: JobEnv) -> JobEnv:
-    comm = _comm_world(env)
+    comm = mpi_library.start(env)
     if (comm.Get_rank(), comm.Get_size()) != (env.rank, env.world_size):
         raise LaunchError(
             f"the launcher says rank {env.rank} of {env.world_size} ({env.launcher}) but MPI "

@@ -86,8 +86,10 @@ def test_mpi4py_world_forms_under_srun_pmi2(slurm_cluster):
     assert lines == [["0", "2", "3", "MPICH"], ["1", "2", "3", "MPICH"]], out
 
 
-@pytest.mark.parametrize("backend", ["gloo", "mpi"])
+@pytest.mark.parametrize("backend", ["gloo", "mpi", "gloo,mpi", "mpi,gloo"])
 def test_check_passes_under_srun(slurm_cluster, backend):
+    """gloo,mpi: the gloo round reads the MPI library's version without starting MPI; the
+    mpi round must then start it (it failed with 'before initializing ... MPICH')."""
     result = slurm_cluster.srun(["-n", "2", "--mpi=pmi2", PY, "-m", "launcher.check",
                                  "--backend", backend, "--timeout", "120"],
                                 timeout=TORCH_TIMEOUT, cwd=REPO_ROOT)
