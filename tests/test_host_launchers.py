@@ -184,6 +184,19 @@ def test_invoke_run_charliecloud_with_srun_pmix(slurm_cluster, ch_image, tmp_pat
     passed_check(result, OPENMPI, "/opt/ddp/openmpi/lib/libmpi.so.40", "pmix")
 
 
+@pytest.mark.mpi
+def test_the_mpi5_standard_abi_runs_through_the_images_mpiabi_extension(ch_image, tmp_path):
+    """MPICH 5's standard-ABI build (libmpi_abi.so.1), named with MPI4PY_LIBMPI: mpi4py loads
+    the extension the image compiles for that ABI (the wheel has none)."""
+    abi_library = "/opt/ddp/venv/lib/libmpi_abi.so.1"
+    ch = ch_run(ch_image, tmp_path, env=(("MPI4PY_LIBMPI", abi_library),))
+    mpiexec = [str(mpiexec_path()), "-n", "2", *ch, "python", "-m"]
+    check = run_host([*mpiexec, "launcher.check", "--backend", "mpi"])
+    passed_check(check, MPICH, abi_library, "pmi")
+    assert "mpi_abi: mpiabi" in check.stdout, check.stdout
+    equal_hashes(run_host([*mpiexec, "launcher.train", *TRAIN]))
+
+
 # -- bind: the host's MPI library replaces the image's ----------------------------------------
 
 

@@ -161,6 +161,9 @@ _LIBRARY = ("import mpi4py; mpi4py.rc.initialize = False; from mpi4py import MPI
     ({"PMIX_RANK": "0", "PMIX_NAMESPACE": "test", "OMPI_COMM_WORLD_RANK": "0",
       "OMPI_COMM_WORLD_SIZE": "1", "OMPI_COMM_WORLD_LOCAL_RANK": "0",
       "OMPI_COMM_WORLD_LOCAL_SIZE": "1"}, f"openmpi Open MPI v{ic.pins()['OPENMPI_VERSION']}"),
+    # the MPI-5 standard ABI, through the extension the image compiles for it
+    ({"MPI4PY_LIBMPI": "/opt/ddp/venv/lib/libmpi_abi.so.1"},
+     f"mpiabi MPICH Version:      {ic.pins()['MPICH_VERSION']}"),
 ])
 def test_every_python_in_the_image_picks_the_mpi_of_its_pmi(cpu_image, run_in_image,
                                                             pmi_variables, expected):

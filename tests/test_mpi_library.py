@@ -83,11 +83,26 @@ def test_the_users_mpi4py_variables_are_left_alone(bundled):
     assert (choice.path, choice.reason) == ("", "MPI4PY_LIBMPI=/site/libmpi.so (set by the user)")
 
 
-def test_only_the_mpi5_standard_abi_is_an_error_with_a_hint(tmp_path, bundled):
-    host = _library(tmp_path / "abi", "libmpi_abi.so")
+@pytest.mark.parametrize("names, abi", [
+    (("libmpi_abi.so.1",), "mpiabi"),
+    (("libmpi_abi.so", "libmpi.so.12"), "mpich"),  # MPICH builds both: its own ABI first
+])
+def test_the_mpi5_standard_abi_is_taken_when_it_is_alone(tmp_path, bundled, names, abi):
+    for name in names:
+        _library(tmp_path / "abi", name)
+    assert choose({**HYDRA, "LD_LIBRARY_PATH": str(tmp_path / "abi")}, bundled).abi == abi
+
+
+def test_a_standard_abi_library_without_the_extension_is_an_error_with_a_hint(monkeypatch,
+                                                                               tmp_path):
+    import mpi4py
+
+    monkeypatch.setattr(mpi4py, "__file__", str(tmp_path / "mpi4py" / "__init__.py"))
+    choice = mpi_library.MpiChoice("mpiabi", "/host/lib/libmpi_abi.so.1", "test")
     with pytest.raises(LaunchError) as error:
-        choose({**HYDRA, "LD_LIBRARY_PATH": str(host.parent)}, bundled)
+        mpi_library._offer_standard_abi(choice)
     assert "MPI-5 standard ABI" in error.value.message and "libmpi.so.12" in error.value.hint
+    mpi_library._offer_standard_abi(mpi_library.MpiChoice("mpich", "/x/libmpi.so.12", "test"))
 
 
 def test_load_points_mpi4py_at_the_choice_once(monkeypatch, bundled):
