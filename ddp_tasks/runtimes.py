@@ -55,6 +55,7 @@ class Runtime:
 
     @property
     def binds(self) -> bool:
+        """Whether ``--bind`` means anything here: the runtime has a bind syntax of its own."""
         return type(self).bind_args is not Runtime.bind_args
 
 

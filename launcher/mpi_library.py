@@ -1,7 +1,8 @@
 """Which MPI library this rank loads, chosen from what started it before mpi4py loads one.
 
 mpi4py's wheel holds one extension per ABI (MPICH's ``libmpi.so.12``, Open MPI's
-``libmpi.so.40``) and, left alone, loads the first libmpi it finds: the venv's ``lib/`` before
+``libmpi.so.40``; the image adds one for the MPI-5 standard ABI's ``libmpi_abi.so``) and, left
+alone, loads the first libmpi it finds: the venv's ``lib/`` before
 ``LD_LIBRARY_PATH``. In the image that is always the bundled MPICH, which speaks PMI-1/PMI-2
 only: under ``srun --mpi=pmix`` or Open MPI's ``mpirun`` it aborts, and a host MPI bound in
 and put on ``LD_LIBRARY_PATH`` would be ignored. ``choose`` decides instead, in this order:
