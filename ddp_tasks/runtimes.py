@@ -53,6 +53,13 @@ class Runtime:
     def gpu_args(self) -> list[str]:
         return []
 
+    def options(self, launch: Launch) -> list[str]:
+        """The GPU flag when GPUs are asked for, then every bind, in this runtime's syntax."""
+        argv = self.gpu_args() if launch.gpus_per_node else []
+        for bind in launch.binds:
+            argv += self.bind_args(bind)
+        return argv
+
     @property
     def binds(self) -> bool:
         """Whether ``--bind`` means anything here: the runtime has a bind syntax of its own."""
@@ -73,12 +80,7 @@ class Apptainer(Runtime):
         return ["--nv"]
 
     def exec_prefix(self, launch: Launch) -> list[str]:
-        argv = ["apptainer", "exec"]
-        if launch.gpus_per_node:
-            argv += self.gpu_args()
-        for bind in launch.binds:
-            argv += self.bind_args(bind)
-        return [*argv, launch.image or self.default_image]
+        return ["apptainer", "exec", *self.options(launch), launch.image or self.default_image]
 
 
 class Charliecloud(Runtime):
@@ -93,12 +95,9 @@ class Charliecloud(Runtime):
         return ["-b", bind]
 
     def exec_prefix(self, launch: Launch) -> list[str]:
-        argv = ["ch-run"]
-        for bind in launch.binds:
-            argv += self.bind_args(bind)
-        argv.append("--set-env")
-        argv += [f"--set-env={name}={value}" for name, value in launch.env]
-        return [*argv, launch.image or self.default_image, "--"]
+        ours = [f"--set-env={name}={value}" for name, value in launch.env]
+        return ["ch-run", *self.options(launch), "--set-env", *ours,
+                launch.image or self.default_image, "--"]
 
 
 class Pyxis(Runtime):
@@ -132,14 +131,9 @@ class PodmanHpc(Runtime):
         return ["--gpu"]
 
     def exec_prefix(self, launch: Launch) -> list[str]:
-        argv = ["podman-hpc", "run", "--rm", "--mpi"]
-        if launch.gpus_per_node:
-            argv += self.gpu_args()
-        for bind in launch.binds:
-            argv += self.bind_args(bind)
-        for name, value in launch.env:
-            argv += ["-e", f"{name}={value}"]
-        return [*argv, launch.image or self.default_image]
+        variables = [arg for name, value in launch.env for arg in ("-e", f"{name}={value}")]
+        return ["podman-hpc", "run", "--rm", "--mpi", *self.options(launch), *variables,
+                launch.image or self.default_image]
 
 
 class Docker(Runtime):

@@ -101,11 +101,11 @@ def load(env: JobEnv) -> MpiChoice:
         _loaded = choose(env)
         if "mpi4py.MPI" not in sys.modules:
             _offer_standard_abi(_loaded)
-        if _loaded.path and "mpi4py.MPI" not in sys.modules:
-            # the path only: with MPI4PY_MPIABI set too, mpi4py would not load this library
-            # but let the extension find a libmpi by the linker's search; from the library's
-            # symbols it tells the ABI itself
-            os.environ["MPI4PY_LIBMPI"] = _loaded.path
+            if _loaded.path:
+                # the path only: with MPI4PY_MPIABI set too, mpi4py would not load this
+                # library but let the extension find a libmpi by the linker's search; from the
+                # library's symbols it tells the ABI itself
+                os.environ["MPI4PY_LIBMPI"] = _loaded.path
         if _loaded.abi == "mpich" and Path(sys.prefix) == IMAGE_VENV:
             # In the image, MPICH's single-copy transfers (CMA, process_vm_readv) fail between
             # ranks in different user namespaces (one ch-run or apptainer per rank) or under
