@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -107,6 +108,25 @@ def test_check_under_torchrun():
     assert result.returncode == 0, result.stdout + result.stderr
     summary = _summary(result.stdout)
     assert {r["launcher"] for r in summary["ranks"]} == {"torchrun"}
+
+
+def test_mpi_under_torchrun_stops_every_rank_at_once_with_the_cause():
+    """torchrun offers no PMI: --backend mpi would make each rank an MPI world of its own. Every
+    rank says so before MPI starts and exits 2; nothing waits for a peer."""
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc-per-node", "2"]
+    start = time.monotonic()
+    result = subprocess.run(
+        [*torchrun, "-m", "launcher.check", "--backend", "mpi"], capture_output=True,
+        text=True, timeout=180, env=clean_environ(), cwd=REPO_ROOT,
+    )
+    assert result.returncode != 0, result.stdout
+    for rank in (0, 1):
+        assert f"[rank {rank}] error: torchrun offers no MPI" in result.stderr, result.stderr
+        assert f"[rank {rank}] HINT: under Slurm pass srun --mpi=pmi2" in result.stderr
+    # torchrun's agent prints its own ChildFailedError; no rank prints a trace of ours
+    assert str(REPO_ROOT / "launcher") not in result.stderr, result.stderr
+    assert time.monotonic() - start < 60, "the ranks did not stop at once"
 
 
 def test_unknown_backend_is_one_clear_error():
