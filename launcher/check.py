@@ -22,9 +22,11 @@ import torch
 import torch.distributed as dist
 
 from launcher import mpi_library
+from launcher.backends import BACKEND_CHOICES
 from launcher.env import JobEnv, detect_environment
-from launcher.errors import LaunchError, report_and_exit
-from launcher.process_group import BACKEND_CHOICES, DistContext, process_group
+from launcher.errors import LaunchError, RankFailed, report_and_exit
+from launcher.failfast import end_process
+from launcher.process_group import DistContext, process_group
 
 EXIT_CHECK_FAILED = 1
 
@@ -272,6 +274,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_check(env, backends, args.timeout, args.json)
     except LaunchError as error:
         report_and_exit(error, env.rank if env else None)
+    except RankFailed as failed:  # reported here and to every other rank already
+        end_process(failed.status)
     return 2
 
 

@@ -14,10 +14,10 @@ import inspect
 from dataclasses import dataclass
 from pathlib import Path
 
+from launcher.backends import BACKEND_CHOICES
 from launcher.data import DATASETS
 from launcher.errors import LaunchError
 from launcher.models import BUILTIN
-from launcher.process_group import BACKEND_CHOICES
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 SYNC_MODES = ("ddp", "manual")

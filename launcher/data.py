@@ -3,7 +3,7 @@
 Every dataset ends up as ``uint8`` images of shape ``[N, 28, 28]`` and ``int64`` labels, split
 into train and test. Preparing one (decompressing, resizing) happens once per node, on local
 rank 0, which writes a cache file atomically; the other ranks of the node wait for it (the
-collective in ``raise_if_any_rank_failed`` doubles as the barrier) and then read the cache.
+collective of ``launcher.agreement.agree`` doubles as the barrier) and then read the cache.
 An error on any rank (a missing or corrupt file on one node's local disk) reaches every rank
 before the next collective, so nobody is left waiting.
 """
@@ -22,9 +22,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from launcher.agreement import agree
 from launcher.atomic import write_atomic
 from launcher.errors import LaunchError
-from launcher.process_group import raise_if_any_rank_failed
 
 DATASETS = ("digits", "mnist", "synthetic")
 IMAGE_SIZE = 28
@@ -81,21 +81,11 @@ def load_dataset(name: str, data_dir: Path, local_rank: int) -> Dataset:
     if name == "synthetic":
         return synthetic_dataset()
     cache = data_dir / "cache" / f"{name}-{IMAGE_SIZE}x{IMAGE_SIZE}-v1.pt"
-    error: BaseException | None = None
-    if local_rank == 0 and not cache.exists():
-        try:
+    with agree():
+        if local_rank == 0 and not cache.exists():
             _write_cache(cache, _prepare(name, data_dir))
-        except (LaunchError, OSError) as exc:
-            error = exc
-    raise_if_any_rank_failed(error)
-    error = None
-    dataset = None
-    try:
-        dataset = _read_cache(name, cache)
-    except LaunchError as exc:
-        error = exc
-    raise_if_any_rank_failed(error)
-    return dataset
+    with agree():
+        return _read_cache(name, cache)
 
 
 # --- preparation (local rank 0 only) ---------------------------------------------------------
@@ -209,7 +199,12 @@ def _write_cache(path: Path, arrays: dict[str, np.ndarray]) -> None:
     buffer = io.BytesIO()
     torch.save(tensors, buffer)
     # atomic, so two nodes sharing the directory both leave one complete (identical) file
-    write_atomic(path, buffer.getvalue())
+    try:
+        write_atomic(path, buffer.getvalue())
+    except OSError as exc:
+        raise LaunchError(f"cannot write the dataset cache {path}: {exc}",
+                          hint="make --data-dir writable (local rank 0 of each node writes "
+                          "DATA_DIR/cache), or point --data-dir elsewhere") from None
 
 
 def _read_cache(name: str, path: Path) -> Dataset:

@@ -31,9 +31,28 @@ EXIT_USER_ERROR = 2
 #: and ``--resume auto`` continues from the last checkpoint
 EXIT_PEER_LOST = 3
 
+#: exit status when a rank raised an exception nobody handled (a bug in a model, a dataset, a
+#: script): on that rank after its traceback, on every other rank after one line naming it
+#: (``launcher.failfast``). sysexits' EX_SOFTWARE: rerunning will not help
+EXIT_RANK_FAILED = 70
+
 #: exit status after a preemption signal was handled and a checkpoint saved: sysexits'
 #: EX_TEMPFAIL ("try again later"); batch scripts turn it into ``scontrol requeue``
 EXIT_PREEMPTED = 75
+
+
+def raised_everywhere(error: BaseException) -> bool:
+    """Whether every rank raises ``error`` together (so no rank must be told of it)."""
+    return getattr(error, "everywhere", False)
+
+
+class RankFailed(Exception):
+    """This rank failed and has said so (its traceback, a notice to its peers): end the process
+    with ``status`` at once, without tearing down what its peers may still block in."""
+
+    def __init__(self, status: int):
+        super().__init__(f"exit {status}")
+        self.status = status
 
 
 class PeerLost(LaunchError):

@@ -77,12 +77,9 @@ def build_model(name: str, num_classes: int, dropout: float) -> ModelSpec:
 
 
 def _user_model(spec: str) -> ModelSpec:
-    factory = load_factory(spec)
-    try:
-        module = factory()
-    except Exception as exc:  # whatever the user's factory raises
-        raise LaunchError(f"the factory {spec} failed: {type(exc).__name__}: {exc}",
-                          hint="fix the factory; it is called without arguments") from None
+    # what the factory raises is a bug in it, not an input: it keeps its traceback and ends
+    # the job through launcher.failfast
+    module = load_factory(spec)()
     if not isinstance(module, nn.Module):
         raise LaunchError(f"the factory {spec} returned {type(module).__name__}, not a "
                           "torch.nn.Module",

@@ -22,6 +22,9 @@ from launcher.errors import LaunchError
 class Preempted(Exception):
     """Raised once the ranks have agreed to stop and the checkpoint is written."""
 
+    #: on every rank at once (``launcher.errors.raised_everywhere``)
+    everywhere = True
+
     def __init__(self, checkpoint: str):
         super().__init__(f"preempted; checkpoint {checkpoint}")
         self.checkpoint = checkpoint

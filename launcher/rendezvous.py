@@ -10,6 +10,11 @@
   the node index and count that ``launcher.detectors`` could only estimate, and fills ``hosts``.
 - torchrun and Slurm always provide both, so nothing is done for them.
 
+``start_store`` then starts the TCP store on rank 0 and connects the others to it. A rank that
+is not rank 0 keeps trying while nothing listens yet (rank 0 may start later), but stops at once
+when something answers that is not a store: another program holds the port, and rank 0, unable
+to bind it, has stopped already.
+
 The port is free when rank 0 picks it; something else may take it before torch binds it, a
 window of milliseconds. MPI is started here only through ``launcher.mpi_library.start``, lazily:
 detection never starts MPI.
@@ -19,13 +24,21 @@ from __future__ import annotations
 
 import ipaddress
 import socket
+import threading
+import time
 from dataclasses import replace
+from datetime import timedelta
+
+import torch.distributed as dist
 
 from launcher import mpi_library
 from launcher.env import JobEnv
 from launcher.errors import LaunchError
+from launcher.peer_lost import HOST_KEY, first_line, quiet_c10d
 
 MPI_LAUNCHERS = frozenset({"openmpi", "mvapich", "pals", "hydra"})
+#: seconds of one attempt to reach rank 0's store; a store answers within milliseconds
+CONNECT_ATTEMPT_S = 3.0
 
 
 def free_port() -> int:
@@ -89,4 +102,97 @@ def _over_mpi(env: JobEnv) -> JobEnv:
         hosts=hosts,
         node_rank=hosts.index(env.hostname),
         num_nodes=len(hosts),
+    )
+
+
+def start_store(env: JobEnv, backend: str, timeout: timedelta) -> tuple[JobEnv, dist.Store]:
+    """The TCP store hosted by rank 0: torch's rendezvous, and after a failure the roll call
+    (it outlives a broken group and tells which ranks still answer)."""
+    env = resolve_rendezvous(env)
+    try:
+        if env.rank == 0:
+            store = dist.TCPStore(env.master_addr, env.master_port, env.world_size,
+                                  is_master=True, timeout=timeout, multi_tenant=True)
+        else:
+            store = _connect(env, timeout)
+        store.set(f"{HOST_KEY}/{env.rank}", env.hostname)
+    except (RuntimeError, ValueError) as exc:
+        raise rendezvous_error(env, backend, exc) from None
+    return env, store
+
+
+def _connect(env: JobEnv, timeout: timedelta) -> dist.Store:
+    """A client of rank 0's store, once something listens at its address (until ``timeout``).
+
+    Waiting for the listener happens here, quietly: torch's client logs every failed attempt
+    with a C++ stack. What then answers gets one bounded attempt: torch's client retries for its
+    whole timeout when that is not a store, and hangs for good when it accepts and never
+    replies.
+    """
+    deadline = time.monotonic() + timeout.total_seconds()
+    while True:
+        try:
+            socket.create_connection((env.master_addr, env.master_port), timeout=1).close()
+            break
+        except OSError as exc:
+            if time.monotonic() > deadline:
+                raise LaunchError(
+                    f"rank {env.rank}: nothing listens at {env.master_addr}:{env.master_port} "
+                    f"after {timeout.total_seconds():.0f} s ({exc}): rank 0 did not start the "
+                    "rendezvous (look at its error), or this node cannot reach it",
+                    hint=_port_hint(env)) from None
+            time.sleep(0.2)
+    outcome: list = []
+
+    def attempt() -> None:
+        try:
+            outcome.append(dist.TCPStore(env.master_addr, env.master_port, env.world_size,
+                                         is_master=False,
+                                         timeout=timedelta(seconds=CONNECT_ATTEMPT_S)))
+        except (RuntimeError, ValueError) as exc:
+            outcome.append(exc)
+
+    # a store answers the first try; anything else would be logged with a C++ stack per retry
+    with quiet_c10d():
+        thread = threading.Thread(target=attempt, name="ddp-rendezvous", daemon=True)
+        thread.start()
+        thread.join(CONNECT_ATTEMPT_S + 3)
+    if not outcome or not isinstance(outcome[0], dist.Store):
+        raise _foreign_listener(env, outcome[0] if outcome else None)
+    outcome[0].set_timeout(timeout)
+    return outcome[0]
+
+
+def _foreign_listener(env: JobEnv, error: Exception | None) -> LaunchError:
+    what = first_line(error) if error is not None else "accepted, then no reply"
+    return LaunchError(
+        f"rank {env.rank}: {env.master_addr}:{env.master_port} answers, but not as rank 0's "
+        f"rendezvous store ({what}): another program holds the port, so rank 0 could not "
+        "start the rendezvous there",
+        hint=_port_hint(env),
+    )
+
+
+def _port_hint(env: JobEnv) -> str:
+    return (f"set MASTER_PORT to a port free on {env.master_addr} in every rank's environment "
+            "(under Slurm the port is derived from the job and step ids, outside the node's "
+            "ephemeral range: run the step again, it gets another)")
+
+
+def rendezvous_error(env: JobEnv, backend: str, exc: Exception) -> LaunchError:
+    """The rendezvous failed: say where, and what to check."""
+    where = f"{env.master_addr}:{env.master_port}"
+    text = first_line(exc)
+    if "address already in use" in text.lower() or "EADDRINUSE" in text:
+        hint = _port_hint(env)
+    else:
+        hint = (
+            f"check that every node can reach {where} (firewall, hostname resolution); on "
+            "machines with several interfaces set GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME; or "
+            "use --backend mpi, which needs no address"
+        )
+    return LaunchError(
+        f"rank {env.rank} could not join the {backend} process group at {where} "
+        f"(launcher {env.launcher}): {text}",
+        hint=hint,
     )

@@ -9,35 +9,37 @@ the same command again: ``--resume auto`` continues where it stopped).
 
 from __future__ import annotations
 
-import math
-import os
 import sys
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DistributedSampler
 
 from launcher import checkpoint
+from launcher.agreement import agree
 from launcher.config import TrainConfig, parse_args
 from launcher.data import Dataset, load_dataset
 from launcher.env import JobEnv, detect_environment
-from launcher.errors import EXIT_PREEMPTED, LaunchError, report_and_exit
+from launcher.errors import EXIT_PREEMPTED, LaunchError, RankFailed, report_and_exit
+from launcher.failfast import end_process
+from launcher.gradient_sync import (
+    allreduce_gradients,
+    buffers_follow_rank_0,
+    reads_buffers_in_training,
+    wrap_for_sync,
+)
+from launcher.host_tuning import use_cores_fairly, use_deterministic_kernels
 from launcher.logging_utils import RankLog, parameter_sha256
 from launcher.models import ModelSpec, build_model, check_output
 from launcher.preemption import Preempted, PreemptionWatch
-from launcher.process_group import DistContext, process_group, raise_if_any_rank_failed
-
-#: settings a resumed run must share with the checkpoint, or it would not continue the same run
-RESUME_MUST_MATCH = ("model", "dataset", "global_batch_size", "grad_accum", "seed", "epochs",
-                     "lr", "dropout")
+from launcher.process_group import DistContext, process_group
+from launcher.resume import load_weights, resume_state
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -55,6 +57,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"[rank {env.rank}] preempted, {preempted.checkpoint} saved: exit "
               f"{EXIT_PREEMPTED}", file=sys.stderr, flush=True)
         sys.exit(EXIT_PREEMPTED)
+    except RankFailed as failed:  # reported here and to every other rank already
+        end_process(failed.status)
 
 
 def train(config: TrainConfig, ctx: DistContext, watch: PreemptionWatch) -> None:
@@ -101,7 +105,7 @@ class Trainer:
     scaler: torch.amp.GradScaler
     sampler: DistributedSampler
     micro_batch: int
-    #: whether buffers must follow rank 0 before every forward (see _reads_buffers_in_training)
+    #: whether buffers follow rank 0 before every forward (gradient_sync.reads_buffers_in_training)
     buffers_every_step: bool = True
     position: Position = field(default_factory=Position)
     comm_seconds: list[float] = field(default_factory=lambda: [0.0])
@@ -130,10 +134,11 @@ class Trainer:
     @classmethod
     def build(cls, config: TrainConfig, ctx: DistContext, watch: PreemptionWatch) -> Trainer:
         env, device = ctx.env, ctx.device
-        log = RankLog(env.is_main, config.metrics_path)
-        _use_cores_fairly(config.threads, env, device)
+        with agree():
+            log = _open_log(env, config)
+        use_cores_fairly(config.threads, env, device)
         if config.deterministic:
-            _use_deterministic_kernels()
+            use_deterministic_kernels()
         micro_batch = config.per_rank_batch(env.world_size)
         if config.precision == "fp16" and device.type != "cuda":
             raise LaunchError("--precision fp16 needs a GPU (GradScaler); this rank runs on CPU",
@@ -145,9 +150,9 @@ class Trainer:
         data = load_dataset(config.dataset, config.data_dir, env.local_rank)
         spec = _build_checked_model(config, data, env)
         spec.module.to(device)
-        state = _resume_state(config, ctx, log)
+        state = resume_state(config, ctx, log)
         if state is not None:
-            _load_weights(spec.module, state)
+            load_weights(spec.module, state)
         if device.type == "cuda" and env.is_distributed:
             spec = ModelSpec(nn.SyncBatchNorm.convert_sync_batchnorm(spec.module), spec.task)
         optimizer = torch.optim.SGD(spec.module.parameters(), lr=config.lr, momentum=0.9)
@@ -161,8 +166,10 @@ class Trainer:
         scaler = torch.amp.GradScaler(device.type, enabled=config.precision == "fp16")
         trainer = cls(config, ctx, watch, log, data, spec, spec.module, optimizer, scheduler,
                       scaler, sampler, micro_batch,
-                      buffers_every_step=_reads_buffers_in_training(spec.module))
-        trainer._wrap_for_sync()
+                      buffers_every_step=reads_buffers_in_training(spec.module))
+        if env.is_distributed:
+            trainer.model = wrap_for_sync(spec.module, config.sync, device, trainer.comm_seconds,
+                                          trainer.buffers_every_step)
         if state is not None and state["step"] > 0:
             trainer._settle_ddp_buckets()  # before the RNG states are restored: it uses dropout
         # each rank its own dropout stream, derived from the one seed (init used the seed itself)
@@ -170,21 +177,6 @@ class Trainer:
         if state is not None:
             trainer._load_state(state)
         return trainer
-
-    def _wrap_for_sync(self) -> None:
-        if not self.env.is_distributed:
-            return
-        if self.config.sync == "ddp":
-            device_ids = [self.device.index] if self.device.type == "cuda" else None
-            ddp = DistributedDataParallel(self.module, device_ids=device_ids)
-            # an attribute, not the keyword: torch 2.13 deprecates broadcast_buffers= for
-            # forward_sync_buffers=, which older versions lack; both read this attribute
-            ddp.broadcast_buffers = self.buffers_every_step
-            ddp.register_comm_hook(self.comm_seconds, _timed_allreduce)
-            self.model = ddp
-        else:
-            for tensor in self.module.state_dict().values():
-                dist.broadcast(tensor, src=0)
 
     def _settle_ddp_buckets(self) -> None:
         """Collective: one discarded forward and backward, so resumed steps reduce like the rest.
@@ -237,15 +229,15 @@ class Trainer:
     def save(self) -> str:
         """Collective: rank 0 writes the checkpoint; every rank learns whether that worked."""
         state = self._state()
-        directory, step, error = self.config.checkpoint_dir, self.position.step, None
-        if self.env.is_main:
-            try:
-                checkpoint.save(directory, step, state, self.config.keep)
-            except OSError as exc:
-                error = LaunchError(f"cannot write a checkpoint to {self.config.checkpoint_dir}: "
-                                    f"{exc}", hint="check free space and permissions of "
-                                    "--run-dir")
-        raise_if_any_rank_failed(error)
+        directory, step = self.config.checkpoint_dir, self.position.step
+        with agree():
+            if self.env.is_main:
+                try:
+                    checkpoint.save(directory, step, state, self.config.keep)
+                except OSError as exc:
+                    raise LaunchError(f"cannot write a checkpoint to {directory}: {exc}",
+                                      hint="check free space and permissions of --run-dir"
+                                      ) from None
         self.last_saved = step
         return str(directory / checkpoint.checkpoint_name(step))
 
@@ -311,7 +303,7 @@ class Trainer:
             total_loss += loss.item()
         if self.config.sync == "manual" and self.env.is_distributed:
             t0 = time.perf_counter()
-            _allreduce_gradients(self.module)
+            allreduce_gradients(self.module)
             self.comm_seconds[0] += time.perf_counter() - t0
         t0 = time.perf_counter()
         self.scaler.step(self.optimizer)
@@ -327,7 +319,7 @@ class Trainer:
     def _loss(self, idx: torch.Tensor) -> torch.Tensor:
         images = self.data.train.images[idx].to(self.device, non_blocking=True)
         if self.config.sync == "manual" and self.env.is_distributed and self.buffers_every_step:
-            self._buffers_follow_rank_0()  # what DDP's broadcast_buffers does
+            buffers_follow_rank_0(self.module)  # what DDP's broadcast_buffers does
         with self._autocast():
             out = self.model(images)
             if self.spec.task == "reconstruct":
@@ -343,7 +335,7 @@ class Trainer:
     def evaluate(self) -> dict[str, float]:
         """Collective: loss (and accuracy) on the held-out split, summed over all ranks."""
         if self.env.is_distributed:
-            self._buffers_follow_rank_0()  # evaluate the model the checkpoint holds
+            buffers_follow_rank_0(self.module)  # evaluate the model the checkpoint holds
         self.module.eval()
         test = self.data.test
         idx = torch.arange(self.env.rank, len(test), self.env.world_size)
@@ -366,11 +358,6 @@ class Trainer:
         if self.spec.task == "classify":
             result["test_accuracy"] = sums[1].item() / sums[2].item()
         return result
-
-    def _buffers_follow_rank_0(self) -> None:
-        """Collective: every rank takes rank 0's buffers (batch norm's running statistics)."""
-        for buffer in self.module.buffers():
-            dist.broadcast(buffer, src=0)
 
     # --- stopping ---------------------------------------------------------------------------
 
@@ -413,157 +400,23 @@ class Trainer:
         self.log.info(f"epoch {p.epoch} step {p.step}: {text}")
 
 
+def _open_log(env: JobEnv, config: TrainConfig) -> RankLog:
+    """Rank 0's log and metrics file; a run directory it cannot write is a user error."""
+    try:
+        return RankLog(env.is_main, config.metrics_path)
+    except OSError as exc:
+        raise LaunchError(f"cannot write the metrics file {config.metrics_path}: {exc.strerror}",
+                          hint="pass a --run-dir (or --metrics) that is a writable directory or "
+                          "can be created as one") from None
+
+
 def _build_checked_model(config: TrainConfig, data: Dataset, env: JobEnv) -> ModelSpec:
     """The model, built the same way on every rank; a bad one is an error on all ranks."""
-    error, spec = None, None
-    try:
+    with agree():
         torch.manual_seed(config.seed)
         spec = build_model(config.model, data.num_classes, config.dropout)
         check_output(spec, data.train.images[:2], data.num_classes, config.model)
-    except LaunchError as exc:
-        error = exc
-    raise_if_any_rank_failed(error)
     return spec
-
-
-def _resume_state(config: TrainConfig, ctx: DistContext, log: RankLog) -> dict | None:
-    """Collective: rank 0 picks the checkpoint, every rank loads it onto its own device."""
-    env = ctx.env
-    path, error = None, None
-    if env.is_main:
-        try:
-            path = _choose_checkpoint(config, log)
-        except LaunchError as exc:
-            error = exc
-    raise_if_any_rank_failed(error)
-    chosen = [path]
-    if env.is_distributed:
-        dist.broadcast_object_list(chosen, src=0)
-    if chosen[0] is None:
-        return None
-    state, error = None, None
-    try:
-        state = checkpoint.load(chosen[0], map_location=ctx.device)
-        _check_compatible(state, config, env, chosen[0])
-    except LaunchError as exc:
-        error = exc
-    raise_if_any_rank_failed(error)
-    log.info(f"resuming from {chosen[0]} (step {state['step']}, epoch {state['epoch']}, "
-             f"batch {state['batch']})")
-    return state
-
-
-def _choose_checkpoint(config: TrainConfig, log: RankLog):
-    directory = config.checkpoint_dir
-    for stale in directory.glob(".ckpt-*.tmp") if directory.is_dir() else ():
-        log.warn(f"removing {stale}, left by a writer that was killed mid-write")
-        stale.unlink(missing_ok=True)
-    if config.resume == "none":
-        existing = checkpoint.list_checkpoints(directory)
-        if existing:
-            raise LaunchError(f"--resume none, but {directory} holds checkpoints of an earlier "
-                              f"run ({existing[-1].name})",
-                              hint="use a new --run-dir, delete the old checkpoints, or resume "
-                              "with --resume auto")
-        return None
-    if config.resume == "auto":
-        path = checkpoint.newest_valid(directory, log.warn)
-        if path is None:
-            log.info(f"no checkpoint in {directory}: starting from scratch")
-        return path
-    path = Path(config.resume)
-    checkpoint.load(path)  # a LaunchError names the problem (missing, truncated, damaged)
-    return path
-
-
-def _check_compatible(state: dict, config: TrainConfig, env: JobEnv, path) -> None:
-    if state.get("format") != 1:
-        raise LaunchError(f"{path} has an unknown checkpoint format {state.get('format')!r}",
-                          hint="resume with the launcher version that wrote it")
-    if state["world_size"] != env.world_size:
-        raise LaunchError(
-            f"{path} was written by {state['world_size']} ranks, this run has {env.world_size}",
-            hint=f"resume with {state['world_size']} ranks: data order and per-rank random "
-            "streams depend on the world size, so bit-exact resume needs the same number")
-    saved = state["config"]
-    differ = [f"--{k.replace('_', '-')} {saved[k]} (now {getattr(config, k)})"
-              for k in RESUME_MUST_MATCH if saved.get(k) != getattr(config, k)]
-    if differ:
-        raise LaunchError(f"{path} belongs to a run with other settings: {', '.join(differ)}",
-                          hint="resume with the same flags, or start anew with another --run-dir")
-
-
-def _load_weights(module: nn.Module, state: dict) -> None:
-    # every rank loads the same file into the same model, so every rank fails alike: no collective
-    try:
-        module.load_state_dict(state["model"])
-    except RuntimeError as exc:
-        raise LaunchError(f"the checkpoint's weights do not fit the model: "
-                          f"{str(exc).splitlines()[0]}",
-                          hint="resume with the model that wrote the checkpoint, or start anew "
-                          "with another --run-dir") from None
-
-
-#: layers whose buffers (running statistics) a training forward updates but never reads
-_BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
-
-
-def _reads_buffers_in_training(module: nn.Module) -> bool:
-    """Whether a training forward may read a buffer that ranks could hold differently.
-
-    Batch norm in training mode normalises with the batch's own statistics and only updates its
-    running ones, which nothing reads until evaluation (and a frozen batch norm in eval mode
-    never changes them). So ranks may let those drift apart during training and take rank 0's
-    before evaluating; rank 0's are what a checkpoint holds either way. That saves DDP's
-    broadcast before every forward: a collective and a point where the faster rank waits
-    (measured: weak-scaling efficiency 0.81 -> 0.85 with gloo on 16 cores, see
-    benchmarks/README.md). Any other buffer might be read, and follows rank 0 every step.
-    """
-    return any(not isinstance(m, _BATCH_NORMS) and next(m.buffers(recurse=False), None) is not None
-               for m in module.modules())
-
-
-def _timed_allreduce(seconds: list[float], bucket):
-    """DDP's own all-reduce hook, timed from launch until the result is ready."""
-    # takes a dist.GradBucket, returns a Future[Tensor]; unannotated because DDP checks the
-    # annotation objects themselves, and postponed annotations would turn them into strings
-    start = time.perf_counter()
-
-    def done(future: torch.futures.Future) -> torch.Tensor:
-        seconds[0] += time.perf_counter() - start
-        return future.value()
-
-    return default_hooks.allreduce_hook(None, bucket).then(done)
-
-
-def _allreduce_gradients(module: nn.Module) -> None:
-    """Synchronous SGD by hand: one all-reduce of all gradients, then divide by world size."""
-    grads = [p.grad for p in module.parameters() if p.grad is not None]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat)
-    flat.div_(dist.get_world_size())
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
-
-
-def _use_cores_fairly(threads: int, env: JobEnv, device: torch.device) -> None:
-    # ranks sharing a node would otherwise each start one thread per core and oversubscribe it
-    if device.type != "cpu":
-        return
-    if threads == 0:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        threads = max(1, math.floor((cores or 1) / env.local_world_size))
-    torch.set_num_threads(threads)
-
-
-def _use_deterministic_kernels() -> None:
-    # cuBLAS reads the variable when it creates its first handle: before the model's first
-    # matmul. warn_only: an op with no deterministic kernel warns instead of stopping the run
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    torch.backends.cudnn.benchmark = False
 
 
 if __name__ == "__main__":

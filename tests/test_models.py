@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from launcher.errors import LaunchError
+from launcher.gradient_sync import reads_buffers_in_training
 from launcher.models import build_model, check_output
-from launcher.train import _reads_buffers_in_training
 
 BATCH = torch.rand(3, 1, 28, 28)
 
@@ -61,12 +61,16 @@ def test_user_factory_loads(user_module):
     ("{mod}:missing", "has no callable 'missing'"),
     ("{mod}:NOT_CALLABLE", "has no callable 'NOT_CALLABLE'"),
     ("{mod}:not_a_module", "returned int, not a torch.nn.Module"),
-    ("{mod}:raises", "failed: RuntimeError: no weights here"),
 ])
 def test_user_factory_errors(user_module, factory, message):
     with pytest.raises(LaunchError, match=message) as info:
         build_model(factory.format(mod=user_module), 10, dropout=0.1)
     assert info.value.hint
+
+
+def test_what_a_factory_raises_keeps_its_type_and_traceback(user_module):
+    with pytest.raises(RuntimeError, match="no weights here"):
+        build_model(f"{user_module}:raises", 10, dropout=0.1)
 
 
 @pytest.mark.parametrize("factory, message", [
@@ -92,4 +96,4 @@ def test_unknown_builtin():
                  True, id="another layer with buffers"),
 ])
 def test_only_buffers_other_than_batch_norms_must_follow_rank_0_every_step(module, reads):
-    assert _reads_buffers_in_training(module) is reads
+    assert reads_buffers_in_training(module) is reads

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from launcher.env import JobEnv
 from launcher.errors import EXIT_USER_ERROR
-from launcher.process_group import shared_gpu
+from launcher.gpu_sharing import shared_gpu
 from launcher.rendezvous import free_port
 from tests.fixtures.mpi import run_mpi
 
@@ -70,6 +70,7 @@ def test_a_shared_gpu_is_reported_alike_on_every_rank(placements, conflicts):
 DDP_THEN_EXIT = """
 import glob, os, sys, torch
 from torch.nn.parallel import DistributedDataParallel as DDP
+from launcher.agreement import agree
 from launcher.env import detect_environment
 from launcher.errors import LaunchError, report_and_exit
 from launcher.process_group import process_group
@@ -78,7 +79,8 @@ def work():
     model = DDP(torch.nn.Linear(10, 10))
     model(torch.randn(4, 10)).sum().backward()
     if sys.argv[1] == "fail":
-        raise LaunchError("planned failure", hint="none")
+        with agree():  # an error every rank raises together: the group is torn down in order
+            raise LaunchError("planned failure", hint="none")
 def gloo_threads_left():
     names = (open(task + "/comm").read().strip() for task in glob.glob("/proc/self/task/*"))
     # one write: the ranks share mpiexec's stdout, and print() writes piece by piece

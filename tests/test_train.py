@@ -286,6 +286,7 @@ BAD_INPUTS = {
     "fp16-on-cpu": (["--precision", "fp16"], "fp16 needs a GPU"),
     "resume-path-missing": (["--resume", "{tmp}/nope.pt"], "cannot read checkpoint"),
     "bad-flag": (["--epochs", "0"], "--epochs must be at least 1"),
+    "run-dir-under-a-file": (["--run-dir", "{tmp}/a-file/run"], "cannot write the metrics file"),
 }
 
 
@@ -293,6 +294,7 @@ BAD_INPUTS = {
 def test_bad_input_stops_every_rank_with_a_hint(tmp_path, data_dir, user_models, case):
     flags, message = BAD_INPUTS[case]
     (tmp_path / "empty").mkdir()
+    (tmp_path / "a-file").write_text("")
     _damaged_mnist(tmp_path / "mnist")
     flags = [f.format(tmp=tmp_path) for f in flags]
     run_dir = tmp_path / "run"
@@ -306,8 +308,9 @@ def test_bad_input_stops_every_rank_with_a_hint(tmp_path, data_dir, user_models,
         assert f"[rank {rank}] HINT:" in result.stderr, result.output
     assert message in result.stderr, result.output
     assert "Traceback" not in result.stderr, result.output
-    if case.startswith("mnist"):
-        # only local rank 0 reads the files: rank 1 learns of the failure, it does not wait
+    if case.startswith("mnist") or case == "run-dir-under-a-file":
+        # only local rank 0 reads the files (and writes the run directory): rank 1 learns of
+        # the failure, it does not wait
         assert "[rank 1] error: rank 0 failed: " in result.stderr, result.output
     assert not list(run_dir.glob("checkpoints/*"))
 

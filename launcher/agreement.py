@@ -1,0 +1,67 @@
+"""Ranks agree on an error only some of them saw: one context manager, used wherever that can be.
+
+    with agree():
+        ...  # may raise LaunchError on some ranks only
+
+Collective: every rank enters and leaves it. On the way out the ranks exchange one flag; if the
+body raised a LaunchError on any rank, every rank raises one: the ranks that failed their own,
+the others ``rank N failed: <its message>`` with its HINT. So a corrupt file on one node's
+local disk, or rank 0 failing to write a checkpoint, stops every rank with exit 2 and the same
+cause, instead of leaving the others in their next collective until the timeout. The raised
+errors are marked ``everywhere`` (``launcher.errors.raised_everywhere``): nobody needs to be
+told of them again. Other exceptions are not caught: they are bugs, not inputs, and reach every
+rank through ``launcher.failfast``.
+
+A leaf module below the process group: data and checkpoint code use it without importing it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+
+from launcher.errors import LaunchError
+
+
+@contextmanager
+def agree() -> Iterator[None]:
+    """Collective: a LaunchError raised in the body on any rank is raised on every rank."""
+    error: LaunchError | None = None
+    try:
+        yield
+    except LaunchError as exc:
+        error = exc
+    _settle(error)
+
+
+def _settle(error: LaunchError | None) -> None:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        if error is not None:
+            raise _everywhere(error)
+        return
+    flag = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=_comm_device())
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if int(flag.item()) == 0:
+        return
+    messages: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(messages, None if error is None else (error.message, error.hint))
+    if error is not None:
+        raise _everywhere(error)
+    failed = [(rank, msg) for rank, msg in enumerate(messages) if msg is not None]
+    ranks = ", ".join(str(rank) for rank, _ in failed)
+    first_message, first_hint = failed[0][1]
+    raise _everywhere(LaunchError(f"rank {ranks} failed: {first_message}", hint=first_hint))
+
+
+def _everywhere(error: LaunchError) -> LaunchError:
+    error.everywhere = True
+    return error
+
+
+def _comm_device() -> torch.device:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

@@ -1,0 +1,225 @@
+"""One rank raises, every rank ends within seconds, the cause named: the fault matrix.
+
+{mpiexec, srun --mpi=pmi2, torchrun} x {gloo, mpi} x {model build, step 5, evaluation,
+checkpoint write}, with ``tests.faulty_model`` raising on one rank. torchrun offers no MPI, so
+torchrun x mpi is refused before anything starts (``test_check``'s
+``test_mpi_under_torchrun_stops_every_rank_at_once_with_the_cause``) and is not in the matrix.
+
+Each rank runs inside a shell that prints its exit status and the time, so the test sees every
+rank's status, not only the launcher's. Where MPI runs (under mpiexec always, since the
+rendezvous goes through MPI; under srun with the mpi backend) the failing rank calls MPI_Abort
+and the launcher kills every process, shells included, the way MPI jobs end: there the
+launcher's own exit status is what can be seen, and the test checks that no rank is left.
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from launcher.errors import EXIT_RANK_FAILED, EXIT_USER_ERROR
+from tests.fixtures.host_mpi import OPENMPI_ROOT_ENV
+from tests.fixtures.mpi import REPO_ROOT, clean_environ, mpiexec_path
+
+#: the promise: every rank has exited this long after the fault (on a 2-core machine)
+EXIT_WITHIN_S = 20
+#: a collective waits this long for a peer: a run that relied on it would fail the test
+TIMEOUT_S = 120
+RANK_VARIABLE = "${PMI_RANK:-${SLURM_PROCID:-$RANK}}"
+# every rank's exit status and the moment it ended, on stderr
+RECORD = ('trap "" TERM INT HUP; "$@"; status=$?; echo "ddp-exit rank=' + RANK_VARIABLE
+          + ' status=$status at=$(date +%s.%N)" >&2; exit $status')
+
+
+@dataclass(frozen=True)
+class Fault:
+    at: str
+    rank: int
+    kind: str
+    flags: tuple[str, ...] = ("--checkpoint-every", "0")
+
+
+FAULTS = {
+    "model-build": Fault("build", 1, "RuntimeError"),
+    "step-5": Fault("step:5", 1, "ValueError"),
+    "evaluation": Fault("eval", 1, "ValueError"),
+    # rank 0 writes checkpoints
+    "checkpoint-write": Fault("checkpoint", 0, "RuntimeError", ("--checkpoint-every", "3")),
+}
+
+
+def _train_args(run_dir: Path, data_dir: Path, backend: str, fault: Fault) -> list[str]:
+    return ["-m", "launcher.train", "--model", "tests.faulty_model:factory", "--backend",
+            backend, "--run-dir", str(run_dir), "--data-dir", str(data_dir), "--epochs", "1",
+            "--global-batch-size", "64", "--threads", "1", "--timeout-s", str(TIMEOUT_S),
+            *fault.flags]
+
+
+def _fault_env(fault: Fault) -> dict[str, str]:
+    return {"FAULT_AT": fault.at, "FAULT_RANK": str(fault.rank)}
+
+
+def _mpiexec(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run([str(mpiexec_path()), "-n", "2", "sh", "-c", RECORD, "sh",
+                           sys.executable, *args], capture_output=True, text=True,
+                          timeout=TIMEOUT_S + 60, env=clean_environ(env), cwd=REPO_ROOT)
+
+
+def _torchrun(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc-per-node", "2", "--no-python", "sh", "-c", RECORD, "sh",
+                           sys.executable, *args], capture_output=True, text=True,
+                          timeout=TIMEOUT_S + 60, env=clean_environ(env), cwd=REPO_ROOT)
+
+
+def _exits(stderr: str) -> dict[int, tuple[int, float]]:
+    return {int(rank): (int(status), float(at)) for rank, status, at in
+            re.findall(r"ddp-exit rank=(\d+) status=(\d+) at=([\d.]+)", stderr)}
+
+
+def _check(result: subprocess.CompletedProcess, fault: Fault, run_dir: Path,
+           every_rank_recorded: bool) -> None:
+    output = f"--- stdout ---\n{result.stdout}\n--- stderr ---\n{result.stderr}"
+    stderr = result.stderr
+    injected = re.search(r"fault injected at ([\d.]+)", stderr)
+    assert injected, output
+    exits = _exits(stderr)
+    assert set(exits) == ({0, 1} if every_rank_recorded else set(exits)), output
+    for rank, (status, ended) in exits.items():
+        assert status == EXIT_RANK_FAILED, f"rank {rank} exited {status}\n{output}"
+        assert ended - float(injected.group(1)) < EXIT_WITHIN_S, output
+    failing, other = fault.rank, 1 - fault.rank
+    # the failing rank: its traceback, once, down to the user's frame
+    assert stderr.count(f"[rank {failing}] Traceback") == 1, output
+    assert f"[rank {failing}] {fault.kind}: injected fault" in stderr, output
+    assert 'tests/faulty_model.py", line' in stderr, output
+    # every other rank: one line naming the rank, its host and the exception
+    line = re.search(rf"\[rank {other}\] error: rank {failing} on (\S+) failed with "
+                     rf"{fault.kind}: injected fault", stderr)
+    assert line, output
+    assert f"[rank {other}] Traceback" not in stderr, output
+    assert "frame #" not in stderr and "Exception raised from" not in stderr, output
+    # no half-written checkpoint, not even a temporary file
+    checkpoints = run_dir / "checkpoints"
+    assert not list(checkpoints.glob("*")) if checkpoints.exists() else True, output
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("data")
+
+
+LAUNCHERS = [
+    pytest.param("mpiexec", "gloo", marks=pytest.mark.mpi),
+    pytest.param("mpiexec", "mpi", marks=pytest.mark.mpi),
+    pytest.param("srun", "gloo", marks=pytest.mark.slurm),
+    pytest.param("srun", "mpi", marks=pytest.mark.slurm),
+    pytest.param("torchrun", "gloo"),
+]
+
+
+@pytest.mark.parametrize("where", list(FAULTS))
+@pytest.mark.parametrize("launcher, backend", LAUNCHERS)
+def test_one_rank_raises_every_rank_ends_naming_it(request, tmp_path, data_dir, launcher,
+                                                   backend, where):
+    fault = FAULTS[where]
+    run_dir = tmp_path / "run"
+    args = _train_args(run_dir, data_dir, backend, fault)
+    env = _fault_env(fault)
+    started = time.monotonic()
+    if launcher == "mpiexec":
+        result = _mpiexec(args, env)
+    elif launcher == "torchrun":
+        result = _torchrun(args, env)
+    else:
+        slurm = request.getfixturevalue("slurm_cluster")
+        result = slurm.srun(["-n", "2", "--mpi=pmi2", "sh", "-c", RECORD, "sh",
+                             sys.executable, *args], timeout=TIMEOUT_S + 60, cwd=REPO_ROOT,
+                            env=env)
+    assert time.monotonic() - started < TIMEOUT_S, "a rank waited for the collective timeout"
+    if launcher == "mpiexec":
+        assert result.returncode == EXIT_RANK_FAILED, result.stderr
+    else:
+        assert result.returncode != 0
+    mpi_runs = launcher == "mpiexec" or backend == "mpi"
+    _check(result, fault, run_dir, every_rank_recorded=not mpi_runs)
+    _no_rank_left()
+
+
+def _no_rank_left(within_s: float = 10) -> None:
+    """No rank process is left (killed ones may take a moment to be reaped)."""
+    deadline = time.monotonic() + within_s
+    while True:
+        left = subprocess.run(["pgrep", "-f", "tests.faulty_model"], capture_output=True,
+                              text=True)
+        if left.returncode == 1:
+            return
+        if time.monotonic() > deadline:
+            ps = subprocess.run(["ps", "-o", "pid,stat,etime,args", "-p",
+                                 ",".join(left.stdout.split())], capture_output=True, text=True)
+            pytest.fail(f"ranks still running:\n{ps.stdout}")
+        time.sleep(0.2)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("backend", ["gloo", "mpi"])
+def test_open_mpi_mpirun_aborts_the_world_naming_the_cause(tmp_path, data_dir, openmpi_prefix,
+                                                           backend):
+    """Open MPI's mpirun (PMIx), the host's MPI on LD_LIBRARY_PATH: the same ending."""
+    fault = FAULTS["step-5"]
+    env = {**_fault_env(fault), **OPENMPI_ROOT_ENV,
+           "LD_LIBRARY_PATH": str(openmpi_prefix / "lib")}
+    mpirun = [str(openmpi_prefix / "bin" / "mpirun"), "-n", "2", "--oversubscribe"]
+    result = subprocess.run([*mpirun, sys.executable,
+                             *_train_args(tmp_path / "run", data_dir, backend, fault)],
+                            capture_output=True, text=True, timeout=TIMEOUT_S + 60,
+                            env=clean_environ(env), cwd=REPO_ROOT)
+    assert result.returncode == EXIT_RANK_FAILED, result.stderr
+    _check(result, fault, tmp_path / "run", every_rank_recorded=False)
+    _no_rank_left()
+
+
+def test_a_taken_rendezvous_port_stops_every_rank_at_once(tmp_path):
+    """Another program listens on the rendezvous port: rank 0 cannot bind it, rank 1 would
+    talk to that program; both stop within seconds, each naming the cause."""
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen(8)  # accepts, never answers: torch's own client would hang for good
+        port = squatter.getsockname()[1]
+        ranks = []
+        started = time.monotonic()
+        for rank in (0, 1):
+            env = clean_environ({"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
+                                 "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                                 "MASTER_PORT": str(port)})
+            ranks.append(subprocess.Popen(
+                [sys.executable, "-m", "launcher.train", "--backend", "gloo", "--run-dir",
+                 str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                env=env, cwd=REPO_ROOT))
+        outputs = [process.communicate(timeout=TIMEOUT_S) for process in ranks]
+        elapsed = time.monotonic() - started
+    for rank, (process, (_, stderr)) in enumerate(zip(ranks, outputs, strict=True)):
+        assert process.returncode == EXIT_USER_ERROR, stderr
+        assert f"[rank {rank}] HINT: set MASTER_PORT to a port free on 127.0.0.1" in stderr
+        assert "frame #" not in stderr and "Traceback" not in stderr, stderr
+    assert "address already in use" in outputs[0][1], outputs[0][1]
+    assert "answers, but not as rank 0's rendezvous store" in outputs[1][1], outputs[1][1]
+    assert elapsed < EXIT_WITHIN_S, elapsed
+
+
+def test_a_single_process_ends_with_the_same_status_and_its_traceback(tmp_path, data_dir):
+    fault = Fault("step:5", 0, "ValueError")
+    result = subprocess.run([sys.executable, *_train_args(tmp_path / "run", data_dir, "gloo",
+                                                          fault)],
+                            capture_output=True, text=True, timeout=TIMEOUT_S,
+                            env=clean_environ(_fault_env(fault)), cwd=REPO_ROOT)
+    assert result.returncode == EXIT_RANK_FAILED, result.stderr
+    assert result.stderr.count("[rank 0] Traceback") == 1, result.stderr
+    assert "[rank 0] ValueError: injected fault at step 5" in result.stderr, result.stderr
