@@ -3,6 +3,29 @@
 Data flows one way: environment (``launcher.env``) -> process group
 (``launcher.process_group``) -> training loop (``launcher.train``) -> checkpoints
 (``launcher.checkpoint``).
+
+The public API for a training script of your own (docs/api.md)::
+
+    import launcher
+
+    with launcher.distributed() as job:
+        ...
+
+``distributed``, ``Job`` and ``exit_statuses`` come from ``launcher.job``, ``LaunchError``
+from ``launcher.errors``. They are loaded on first use: importing a submodule (as the image's
+interpreter does at start-up to choose the MPI) does not import torch.
 """
 
 __version__ = "0.1.0"
+
+_PUBLIC = {"distributed": "launcher.job", "Job": "launcher.job",
+           "exit_statuses": "launcher.job", "LaunchError": "launcher.errors"}
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name: str):
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'launcher' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(_PUBLIC[name]), name)

@@ -9,10 +9,10 @@ the same command again: ``--resume auto`` continues where it stopped).
 
 from __future__ import annotations
 
-import sys
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -21,13 +21,11 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DistributedSampler
 
-from launcher import checkpoint
 from launcher.agreement import agree
 from launcher.config import TrainConfig, parse_args
 from launcher.data import Dataset, load_dataset
-from launcher.env import JobEnv, detect_environment
-from launcher.errors import EXIT_PREEMPTED, LaunchError, RankFailed, report_and_exit
-from launcher.failfast import end_process
+from launcher.env import JobEnv
+from launcher.errors import EXIT_PREEMPTED, LaunchError
 from launcher.gradient_sync import (
     allreduce_gradients,
     buffers_follow_rank_0,
@@ -35,41 +33,28 @@ from launcher.gradient_sync import (
     wrap_for_sync,
 )
 from launcher.host_tuning import use_cores_fairly, use_deterministic_kernels
+from launcher.job import Job, distributed, exit_statuses
 from launcher.logging_utils import RankLog, parameter_sha256
 from launcher.models import ModelSpec, build_model, check_output
-from launcher.preemption import Preempted, PreemptionWatch
-from launcher.process_group import DistContext, process_group
 from launcher.resume import load_weights, resume_state
 
 
 def main(argv: list[str] | None = None) -> None:
-    env: JobEnv | None = None
-    try:
-        env = detect_environment()
+    with exit_statuses():
         config = parse_args(argv)
-        with PreemptionWatch(env.preempt_signal) as watch, \
-                process_group(env, config.backend, config.timeout_s) as ctx:
-            train(config, ctx, watch)
-    except LaunchError as error:
-        report_and_exit(error, env.rank if env else None)
-    except Preempted as preempted:
-        # every rank says so: under mpiexec/srun only one exit status reaches the job log
-        print(f"[rank {env.rank}] preempted, {preempted.checkpoint} saved: exit "
-              f"{EXIT_PREEMPTED}", file=sys.stderr, flush=True)
-        sys.exit(EXIT_PREEMPTED)
-    except RankFailed as failed:  # reported here and to every other rank already
-        end_process(failed.status)
+        with distributed(config.backend, config.timeout_s) as job:
+            train(config, job)
 
 
-def train(config: TrainConfig, ctx: DistContext, watch: PreemptionWatch) -> None:
+def train(config: TrainConfig, job: Job) -> None:
     """Build, fit, print the parameter hash. The trainer (and its DDP wrapper) lives in this
     frame only, so it is gone before the process group is torn down."""
-    trainer = Trainer.build(config, ctx, watch)
+    trainer = Trainer.build(config, job)
     try:
         trainer.fit()
     finally:
         trainer.log.close()
-    print(f"param-sha256 rank={ctx.env.rank} {parameter_sha256(trainer.module)}", flush=True)
+    print(f"param-sha256 rank={job.rank} {parameter_sha256(trainer.module)}", flush=True)
 
 
 @dataclass
@@ -94,8 +79,7 @@ class Position:
 @dataclass
 class Trainer:
     config: TrainConfig
-    ctx: DistContext
-    watch: PreemptionWatch
+    job: Job
     log: RankLog
     data: Dataset
     spec: ModelSpec
@@ -119,11 +103,11 @@ class Trainer:
 
     @property
     def env(self) -> JobEnv:
-        return self.ctx.env
+        return self.job.env
 
     @property
     def device(self) -> torch.device:
-        return self.ctx.device
+        return self.job.device
 
     @property
     def steps_per_epoch(self) -> int:
@@ -132,8 +116,8 @@ class Trainer:
     # --- set-up -----------------------------------------------------------------------------
 
     @classmethod
-    def build(cls, config: TrainConfig, ctx: DistContext, watch: PreemptionWatch) -> Trainer:
-        env, device = ctx.env, ctx.device
+    def build(cls, config: TrainConfig, job: Job) -> Trainer:
+        env, device = job.env, job.device
         with agree():
             log = _open_log(env, config)
         use_cores_fairly(config.threads, env, device)
@@ -144,13 +128,13 @@ class Trainer:
             raise LaunchError("--precision fp16 needs a GPU (GradScaler); this rank runs on CPU",
                               hint="use --precision bf16 on CPU, or run on GPUs")
         log.info(f"training {config.model} on {config.dataset}: {env.world_size} rank(s), "
-                 f"backend {ctx.backend}, device {device.type}, global batch "
+                 f"backend {job.backend}, device {device.type}, global batch "
                  f"{config.global_batch_size} = {env.world_size} x {config.grad_accum} x "
                  f"{micro_batch}, sync {config.sync}, precision {config.precision}")
         data = load_dataset(config.dataset, config.data_dir, env.local_rank)
         spec = _build_checked_model(config, data, env)
         spec.module.to(device)
-        state = resume_state(config, ctx, log)
+        state = resume_state(config, job, log)
         if state is not None:
             load_weights(spec.module, state)
         if device.type == "cuda" and env.is_distributed:
@@ -164,7 +148,7 @@ class Trainer:
                               f"the {len(data.train)} training samples", hint="use a smaller one")
         scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=steps)
         scaler = torch.amp.GradScaler(device.type, enabled=config.precision == "fp16")
-        trainer = cls(config, ctx, watch, log, data, spec, spec.module, optimizer, scheduler,
+        trainer = cls(config, job, log, data, spec, spec.module, optimizer, scheduler,
                       scaler, sampler, micro_batch,
                       buffers_every_step=reads_buffers_in_training(spec.module))
         if env.is_distributed:
@@ -202,44 +186,28 @@ class Trainer:
     # --- checkpoints ------------------------------------------------------------------------
 
     def _state(self) -> dict:
-        """Collective: the checkpoint contents, with every rank's RNG states (on rank 0)."""
-        rng: list[object] = [None] * self.env.world_size
-        mine = checkpoint.capture_rng(self.device)
-        if self.env.is_distributed:
-            dist.all_gather_object(rng, mine)
-        else:
-            rng[0] = mine
+        """The checkpoint contents (``Job.save`` adds every rank's RNG states)."""
         p = self.position
         return {
             "format": 1, "step": p.step, "epoch": p.epoch, "batch": p.batch,
             "world_size": self.env.world_size, "config": self.config.to_dict(),
             "model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
-            "rng": rng,
         }
 
     def _load_state(self, state: dict) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])
-        checkpoint.restore_rng(state["rng"][self.env.rank], self.device)
+        self.job.restore_rng(state)
         self.position = Position(state["step"], state["epoch"], state["batch"])
         self.last_saved = state["step"]
 
-    def save(self) -> str:
+    def save(self) -> Path:
         """Collective: rank 0 writes the checkpoint; every rank learns whether that worked."""
-        state = self._state()
-        directory, step = self.config.checkpoint_dir, self.position.step
-        with agree():
-            if self.env.is_main:
-                try:
-                    checkpoint.save(directory, step, state, self.config.keep)
-                except OSError as exc:
-                    raise LaunchError(f"cannot write a checkpoint to {directory}: {exc}",
-                                      hint="check free space and permissions of --run-dir"
-                                      ) from None
-        self.last_saved = step
-        return str(directory / checkpoint.checkpoint_name(step))
+        path = self.job.save(self.config.checkpoint_dir, self.position.step, self._state())
+        self.last_saved = self.position.step
+        return path
 
     # --- the loop ---------------------------------------------------------------------------
 
@@ -256,7 +224,7 @@ class Trainer:
             batches = self._epoch_batches()
             while p.batch < len(batches):
                 t0 = time.perf_counter()
-                if self.watch.agreed(self.device):
+                if self.job.preempted():
                     self._preempt()
                 if config.max_steps and p.step >= config.max_steps:
                     self._stop_early()
@@ -365,7 +333,7 @@ class Trainer:
         path = self.save()
         self.log.info(f"preemption signal received: saved {path} at step {self.position.step}; "
                       f"exiting with {EXIT_PREEMPTED} (run the same command again to resume)")
-        raise Preempted(path)
+        self.job.exit_preempted(path)
 
     def _stop_early(self) -> None:
         if self.last_saved != self.position.step:

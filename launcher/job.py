@@ -1,0 +1,211 @@
+"""The public API: what a training script of your own needs to run under every launcher.
+
+    import launcher
+
+    with launcher.distributed() as job:            # mpiexec, mpirun, srun, torchrun, python
+        model = DDP(Net().to(job.device), device_ids=job.device_ids)
+        state = job.resume(CHECKPOINTS)             # newest valid checkpoint, or None
+        for step in range(first_step, steps):
+            if job.preempted():                     # the same answer on every rank
+                job.save(CHECKPOINTS, step, {"model": model.module.state_dict(), ...})
+                job.exit_preempted()                # exit 75 everywhere: requeue, rerun
+            ...
+
+``distributed`` detects the launch environment, loads the right MPI, starts the process group
+(``backend="auto"`` as ``launcher.train`` does, or any backend by name), binds this rank's
+device, watches for the preemption signal and always tears everything down. It also ends the
+process the way ``launcher.train`` does: a ``LaunchError`` prints ``error:`` and ``HINT:`` and
+exits 2 on every rank; an exception on one rank ends every rank within seconds, naming it
+(exit 70, ``launcher.failfast``); a lost peer exits 3; ``exit_preempted`` exits 75.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NoReturn
+
+import torch
+import torch.distributed as dist
+
+from launcher import checkpoint
+from launcher.agreement import agree
+from launcher.env import JobEnv, detect_environment
+from launcher.errors import EXIT_PREEMPTED, LaunchError, RankFailed, report_and_exit
+from launcher.failfast import end_process
+from launcher.preemption import Preempted, PreemptionWatch
+from launcher.process_group import process_group
+
+
+@dataclass(frozen=True)
+class Job:
+    """This rank's place in the job, and the collective helpers every training script needs."""
+
+    env: JobEnv
+    #: the torch backend in use: "nccl", "gloo", "mpi" (native) or "mpi4py"
+    backend: str
+    #: this rank's device: ``cuda:<index>`` with a GPU per local rank, else ``cpu``
+    device: torch.device
+    watch: PreemptionWatch
+    #: how many of the newest checkpoints ``save`` keeps
+    keep: int = 3
+
+    @property
+    def rank(self) -> int:
+        return self.env.rank
+
+    @property
+    def local_rank(self) -> int:
+        return self.env.local_rank
+
+    @property
+    def world_size(self) -> int:
+        return self.env.world_size
+
+    @property
+    def node_rank(self) -> int:
+        return self.env.node_rank
+
+    @property
+    def num_nodes(self) -> int:
+        return self.env.num_nodes
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: the one that logs and writes checkpoints."""
+        return self.env.is_main
+
+    @property
+    def device_ids(self) -> list[int] | None:
+        """What ``DistributedDataParallel(device_ids=...)`` wants for ``device``."""
+        return [self.device.index] if self.device.type == "cuda" else None
+
+    def print(self, *values: object) -> None:
+        """``print`` on rank 0 only, flushed (job logs of many ranks stay readable)."""
+        if self.is_main:
+            print(*values, flush=True)
+
+    # --- preemption ---------------------------------------------------------------------------
+
+    def preempted(self) -> bool:
+        """Collective, at a step boundary: True on every rank when any rank has received the
+        preemption signal (SIGUSR1 or ``DDP_PREEMPT_SIGNAL``) or SIGTERM."""
+        return self.watch.agreed(self.device)
+
+    def exit_preempted(self, checkpoint_path: str | Path = "") -> NoReturn:
+        """End every rank with exit status 75 (call it on every rank, after ``save``)."""
+        raise Preempted(str(checkpoint_path))
+
+    # --- checkpoints --------------------------------------------------------------------------
+
+    def save(self, directory: str | Path, step: int, state: dict) -> Path:
+        """Collective: rank 0 writes ``state`` (tensors and plain values), with every rank's RNG
+        states added under ``"rng"``, as ``directory/ckpt-<step>.pt``: atomically (a reader
+        sees the old file or the whole new one) and self-checking (SHA-256). A failed write
+        stops every rank with the cause."""
+        directory = Path(directory)
+        rng: list[object] = [None] * self.world_size
+        mine = checkpoint.capture_rng(self.device)
+        if self.world_size > 1:
+            dist.all_gather_object(rng, mine)
+        else:
+            rng[0] = mine
+        with agree():
+            if self.is_main:
+                try:
+                    checkpoint.save(directory, step, {**state, "rng": rng}, self.keep)
+                except OSError as exc:
+                    raise LaunchError(f"cannot write a checkpoint to {directory}: {exc}",
+                                      hint="check free space and permissions of the "
+                                      "checkpoint directory") from None
+        return directory / checkpoint.checkpoint_name(step)
+
+    def resume(self, directory: str | Path) -> dict | None:
+        """Collective: the newest valid checkpoint in ``directory``, loaded onto this rank's
+        device with this rank's RNG states restored, so the run continues bit-exact; None when
+        there is none (``newest_checkpoint`` and ``load`` in one call)."""
+        path = self.newest_checkpoint(directory)
+        return None if path is None else self.load(path)
+
+    def newest_checkpoint(self, directory: str | Path) -> Path | None:
+        """Collective: the newest checkpoint in ``directory`` that passes its checks, the same
+        on every rank (rank 0 looks; damaged ones are skipped with a warning, files left by a
+        writer killed mid-write are removed)."""
+        directory = Path(directory)
+        chosen: list[object] = [None]
+        with agree():
+            if self.is_main:
+                for stale in directory.glob(".ckpt-*.tmp") if directory.is_dir() else ():
+                    _warn(f"removing {stale}, left by a writer that was killed mid-write")
+                    stale.unlink(missing_ok=True)
+                newest = checkpoint.newest_valid(directory, _warn)
+                chosen[0] = None if newest is None else str(newest)
+        if self.world_size > 1:
+            dist.broadcast_object_list(chosen, src=0)
+        return None if chosen[0] is None else Path(chosen[0])
+
+    def load(self, path: str | Path, restore_rng: bool = True) -> dict:
+        """Collective: the checkpoint at ``path`` on every rank, onto this rank's device, with
+        this rank's RNG states restored (or later, with ``restore_rng(state)``)."""
+        with agree():
+            state = checkpoint.load(Path(path), map_location=self.device)
+            saved = len(state.get("rng", ()))
+            if saved != self.world_size:
+                raise LaunchError(f"{path} was written by {saved} ranks, this run has "
+                                  f"{self.world_size}",
+                                  hint=f"resume with {saved} ranks: data order and per-rank "
+                                  "random streams depend on the world size, so bit-exact "
+                                  "resume needs the same number")
+        if restore_rng:
+            self.restore_rng(state)
+        return state
+
+    def restore_rng(self, state: dict) -> None:
+        """Set this rank's RNG states (torch, CUDA, numpy, random) to those in ``state``."""
+        checkpoint.restore_rng(state["rng"][self.rank], self.device)
+
+    #: Collective context manager: a LaunchError raised inside on some ranks is raised on every
+    #: rank (the others name the rank that failed), so nobody waits in the next collective
+    agree = staticmethod(agree)
+
+
+def _warn(text: str) -> None:
+    print(f"warning: {text}", file=sys.stderr, flush=True)
+
+
+@contextmanager
+def distributed(backend: str = "auto", timeout_s: float = 300.0) -> Iterator[Job]:
+    """Run the body as one rank of a distributed job (see the module docstring)."""
+    with exit_statuses():
+        env = detect_environment()
+        with PreemptionWatch(env.preempt_signal) as watch, \
+                process_group(env, backend, timeout_s) as ctx:
+            yield Job(ctx.env, ctx.backend, ctx.device, watch)
+
+
+@contextmanager
+def exit_statuses() -> Iterator[None]:
+    """End the process with the documented exit status when the body raises what this
+    package raises: 2 a user error, 3 a lost peer, 70 a rank that raised, 75 preempted."""
+    try:
+        yield
+    except LaunchError as error:
+        report_and_exit(error, _rank_if_known())
+    except Preempted as preempted:
+        # every rank says so: under mpiexec/srun only one exit status reaches the job log
+        saved = f", {preempted.checkpoint} saved" if preempted.checkpoint else ""
+        print(f"[rank {_rank_if_known()}] preempted{saved}: exit {EXIT_PREEMPTED}",
+              file=sys.stderr, flush=True)
+        sys.exit(EXIT_PREEMPTED)
+    except RankFailed as failed:  # reported here and to every other rank already
+        end_process(failed.status)
+
+
+def _rank_if_known() -> int | None:
+    try:
+        return detect_environment().rank
+    except LaunchError:
+        return None
