@@ -31,13 +31,16 @@ class TrainConfig:
     """mlp (classifier), autoencoder (MLP auto-encoder; try --lr 1), cnn (small CNN with batch
     norm: SyncBatchNorm across GPUs; on CPU, where PyTorch has no SyncBatchNorm, each rank
     normalises its own batch, and evaluations and checkpoints use rank 0's running statistics),
-    or package.module:factory for your own model (factory() must return an nn.Module giving logits
-    [B, 10] for images [B, 1, 28, 28])"""
+    or package.module:factory for your own model: factory() returns an nn.Module that takes the
+    dataset's inputs; it is trained on its own loss(outputs, targets) method if it has one, else
+    on cross-entropy over the output's last dimension for integer targets (logits [B, ...,
+    classes] for targets [B, ...], with accuracy), or MSE for float targets"""
 
     dataset: str = "digits"
     """digits: scikit-learn's 1797 8x8 digits resized to 28x28, fixed 80/20 split (no download);
     mnist: the four MNIST IDX files (raw or .gz) in --data-dir; synthetic: random images for
-    benchmarks"""
+    benchmarks; or package.module:factory for your own: factory() returns ((train_inputs,
+    train_targets), (test_inputs, test_targets)), tensors of any shape, samples first"""
 
     data_dir: Path = Path("data")
     """where MNIST's IDX files are and where the prepared cache (DATA_DIR/cache) is written; may
@@ -117,7 +120,8 @@ class TrainConfig:
         _choice("--precision", self.precision, PRECISIONS)
         _choice("--sync", self.sync, SYNC_MODES)
         _choice("--backend", self.backend, BACKEND_CHOICES)
-        _choice("--dataset", self.dataset, DATASETS)
+        if ":" not in self.dataset:
+            _choice("--dataset", self.dataset, DATASETS)
         if self.model not in BUILTIN and ":" not in self.model:
             raise LaunchError(f"unknown model {self.model!r}",
                               hint=f"use --model {'|'.join(BUILTIN)} or package.module:factory")

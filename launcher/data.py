@@ -1,9 +1,14 @@
-"""Datasets as in-memory tensors: scikit-learn's digits, MNIST from IDX files, synthetic.
+"""Datasets as in-memory tensors: scikit-learn's digits, MNIST from IDX files, synthetic, or a
+user's own ``package.module:factory``.
 
-Every dataset ends up as ``uint8`` images of shape ``[N, 28, 28]`` and ``int64`` labels, split
-into train and test. Preparing one (decompressing, resizing) happens once per node, on local
-rank 0, which writes a cache file atomically; the other ranks of the node wait for it (the
-collective of ``launcher.agreement.agree`` doubles as the barrier) and then read the cache.
+The built-in datasets end up as images ``[N, 1, 28, 28]`` and ``int64`` labels, split into
+train and test. A user's factory returns ``((train_inputs, train_targets), (test_inputs,
+test_targets))``: tensors of any shape whose first dimension counts the samples (integer
+targets are classes, float targets values to regress).
+
+Preparing a built-in one (decompressing, resizing) happens once per node, on local rank 0,
+which writes a cache file atomically; the other ranks of the node wait for it (the collective
+of ``launcher.agreement.agree`` doubles as the barrier) and then read the cache.
 An error on any rank (a missing or corrupt file on one node's local disk) reaches every rank
 before the next collective, so nobody is left waiting.
 """
@@ -25,6 +30,7 @@ import torch.nn.functional as F
 from launcher.agreement import agree
 from launcher.atomic import write_atomic
 from launcher.errors import LaunchError
+from launcher.factories import load_factory
 
 DATASETS = ("digits", "mnist", "synthetic")
 IMAGE_SIZE = 28
@@ -57,13 +63,14 @@ _IDX_DTYPES = {
 
 @dataclass(frozen=True)
 class Split:
-    """One split: images ``[N, 1, 28, 28]`` float32 in [0, 1] and labels ``[N]`` int64."""
+    """One split: ``inputs[i]`` and ``targets[i]`` are sample i (built-in datasets: images
+    ``[N, 1, 28, 28]`` float32 in [0, 1] and labels ``[N]`` int64)."""
 
-    images: torch.Tensor
-    labels: torch.Tensor
+    inputs: torch.Tensor
+    targets: torch.Tensor
 
     def __len__(self) -> int:
-        return len(self.labels)
+        return len(self.targets)
 
 
 @dataclass(frozen=True)
@@ -73,13 +80,21 @@ class Dataset:
     name: str
     train: Split
     test: Split
+    #: classes of integer targets (0 .. num_classes-1); unused for float targets
     num_classes: int = NUM_CLASSES
+
+    @property
+    def float_targets(self) -> bool:
+        return self.train.targets.is_floating_point()
 
 
 def load_dataset(name: str, data_dir: Path, local_rank: int) -> Dataset:
     """Collective: local rank 0 of each node prepares the cache, then every rank loads it."""
     if name == "synthetic":
         return synthetic_dataset()
+    if ":" in name:
+        with agree():
+            return user_dataset(name)
     cache = data_dir / "cache" / f"{name}-{IMAGE_SIZE}x{IMAGE_SIZE}-v1.pt"
     with agree():
         if local_rank == 0 and not cache.exists():
@@ -219,6 +234,32 @@ def _read_cache(name: str, path: Path) -> Dataset:
 def _split(tensors: dict[str, torch.Tensor], split: str) -> Split:
     images = tensors[f"{split}_images"].to(torch.float32).div_(255).unsqueeze(1)
     return Split(images, tensors[f"{split}_labels"])
+
+
+def user_dataset(spec: str) -> Dataset:
+    """What ``package.module:factory`` returns, checked (see the module docstring)."""
+    made = load_factory(spec, "--dataset")()
+    hint = ("the factory must return ((train_inputs, train_targets), (test_inputs, "
+            "test_targets)): tensors whose first dimension counts the samples")
+    try:
+        (train_inputs, train_targets), (test_inputs, test_targets) = made
+    except (TypeError, ValueError):
+        raise LaunchError(f"--dataset {spec} returned {type(made).__name__}, not two "
+                          "(inputs, targets) pairs", hint=hint) from None
+    splits = []
+    for split, inputs, targets in (("train", train_inputs, train_targets),
+                                   ("test", test_inputs, test_targets)):
+        if not (isinstance(inputs, torch.Tensor) and isinstance(targets, torch.Tensor)):
+            raise LaunchError(f"--dataset {spec}: the {split} split holds "
+                              f"{type(inputs).__name__} and {type(targets).__name__}, not "
+                              "tensors", hint=hint)
+        if len(inputs) != len(targets) or len(inputs) == 0:
+            raise LaunchError(f"--dataset {spec}: the {split} split has {len(inputs)} inputs "
+                              f"and {len(targets)} targets", hint=hint)
+        splits.append(Split(inputs, targets))
+    classes = 0 if splits[0].targets.is_floating_point() else int(
+        max(splits[0].targets.max(), splits[1].targets.max())) + 1
+    return Dataset(spec, splits[0], splits[1], classes)
 
 
 def synthetic_dataset(seed: int = 0) -> Dataset:

@@ -1,19 +1,24 @@
-"""The built-in models and the loader for a user's own ``package.module:factory``.
+"""The built-in models, a user's own ``package.module:factory``, and what each is trained on.
 
-All models take images ``[B, 1, 28, 28]``. Classifiers return logits ``[B, classes]``; the
-auto-encoder returns a reconstruction of the input's shape. ``check_output`` runs one batch
-through a freshly built model so that a wrong shape is a clear error before training starts.
+The built-in models take images ``[B, 1, 28, 28]``: classifiers return logits ``[B, classes]``,
+the auto-encoder a reconstruction of the input's shape. A user's model takes whatever its
+dataset gives and is trained on its own ``loss(outputs, targets)`` method when it has one, else
+on cross-entropy over the last dimension of its output for integer targets (logits
+``[B, ..., classes]`` for targets ``[B, ...]``, with accuracy) or mean squared error for float
+targets. ``check_output`` runs two samples through a freshly built model, so a wrong shape is a
+clear error before training starts.
 """
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from launcher.errors import LaunchError
+from launcher.factories import load_factory
 
 BUILTIN = ("mlp", "autoencoder", "cnn")
 PIXELS = 28 * 28
@@ -24,8 +29,26 @@ class ModelSpec:
     """A built model and what it is trained for."""
 
     module: nn.Module
-    #: "classify" (cross-entropy on labels, accuracy) or "reconstruct" (MSE on the input)
+    #: "classify" (cross-entropy over the output's last dimension, accuracy), "regress" (MSE
+    #: on float targets), "reconstruct" (MSE on the input) or "custom" (the module's ``loss``)
     task: str
+
+    def loss(self, outputs: torch.Tensor, inputs: torch.Tensor,
+             targets: torch.Tensor) -> torch.Tensor:
+        """The mean loss of a batch."""
+        if self.task == "custom":
+            return self.module.loss(outputs, targets)
+        if self.task == "reconstruct":
+            return F.mse_loss(outputs.float(), inputs)
+        if self.task == "regress":
+            return F.mse_loss(outputs.float(), targets)
+        return F.cross_entropy(outputs.float().flatten(0, -2), targets.flatten())
+
+    def correct(self, outputs: torch.Tensor, targets: torch.Tensor) -> tuple[int, int] | None:
+        """Right predictions and predictions made, for a classifier; None otherwise."""
+        if self.task != "classify":
+            return None
+        return int((outputs.argmax(-1) == targets).sum()), targets.numel()
 
 
 def mlp(num_classes: int = 10, dropout: float = 0.1) -> nn.Module:
@@ -62,7 +85,8 @@ def cnn(num_classes: int = 10, dropout: float = 0.1) -> nn.Module:
                          nn.Linear(32 * 7 * 7, num_classes))
 
 
-def build_model(name: str, num_classes: int, dropout: float) -> ModelSpec:
+def build_model(name: str, num_classes: int, dropout: float,
+                float_targets: bool = False) -> ModelSpec:
     """A built-in model by name, or ``package.module:factory`` called without arguments."""
     if name == "mlp":
         return ModelSpec(mlp(num_classes, dropout), "classify")
@@ -73,10 +97,10 @@ def build_model(name: str, num_classes: int, dropout: float) -> ModelSpec:
     if ":" not in name:
         raise LaunchError(f"unknown model {name!r}",
                           hint=f"use one of {', '.join(BUILTIN)} or package.module:factory")
-    return _user_model(name)
+    return _user_model(name, float_targets)
 
 
-def _user_model(spec: str) -> ModelSpec:
+def _user_model(spec: str, float_targets: bool) -> ModelSpec:
     # what the factory raises is a bug in it, not an input: it keeps its traceback and ends
     # the job through launcher.failfast
     module = load_factory(spec)()
@@ -84,42 +108,46 @@ def _user_model(spec: str) -> ModelSpec:
         raise LaunchError(f"the factory {spec} returned {type(module).__name__}, not a "
                           "torch.nn.Module",
                           hint="make the factory return the model (an nn.Module instance)")
-    return ModelSpec(module, "classify")
+    if callable(getattr(module, "loss", None)):
+        return ModelSpec(module, "custom")
+    return ModelSpec(module, "regress" if float_targets else "classify")
 
 
-def load_factory(spec: str):
-    """Import ``package.module:factory`` and return the callable."""
-    module_name, _, attr = spec.partition(":")
-    hint = ("give --model as package.module:factory, where the module is importable (on "
-            "PYTHONPATH, or installed in the image) and factory() returns an nn.Module")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as exc:  # the user's module may fail to import in any way
-        raise LaunchError(f"cannot import {module_name!r} for --model {spec}: "
-                          f"{type(exc).__name__}: {exc}", hint=hint) from None
-    factory = getattr(module, attr, None)
-    if not callable(factory):
-        raise LaunchError(f"{module_name} has no callable {attr!r} (--model {spec})", hint=hint)
-    return factory
-
-
-def check_output(spec: ModelSpec, sample: torch.Tensor, num_classes: int, name: str) -> None:
-    """Run ``sample`` through the model (eval mode, no grad) and check the output's shape."""
+def check_output(spec: ModelSpec, inputs: torch.Tensor, targets: torch.Tensor,
+                 num_classes: int, name: str) -> None:
+    """Run ``inputs`` through the model (eval mode, no grad) and check that its output fits
+    its loss: the shape for the built-in losses, the user's ``loss`` run once otherwise."""
     was_training = spec.module.training
     spec.module.eval()
     try:
         with torch.no_grad():
-            out = spec.module(sample)
+            out = spec.module(inputs)
     except Exception as exc:  # any failure inside the user's forward
-        raise LaunchError(f"model {name} fails on a batch of shape {list(sample.shape)}: "
+        raise LaunchError(f"model {name} fails on a batch of shape {list(inputs.shape)}: "
                           f"{type(exc).__name__}: {str(exc).splitlines()[0]}",
-                          hint="the model must accept images [B, 1, 28, 28]") from None
+                          hint="the model must accept the dataset's inputs (the built-in "
+                          "datasets give images [B, 1, 28, 28])") from None
     finally:
         spec.module.train(was_training)
-    expected = [len(sample), num_classes] if spec.task == "classify" else list(sample.shape)
-    if not isinstance(out, torch.Tensor) or list(out.shape) != expected:
-        got = list(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-        raise LaunchError(f"model {name} returns {got} for a batch of {len(sample)}, "
-                          f"expected {expected}",
-                          hint=f"a classifier must return logits [B, {num_classes}] "
-                          f"({num_classes} classes in this dataset)")
+    got = list(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+    if spec.task == "custom":
+        try:
+            spec.loss(out, inputs, targets)
+        except Exception as exc:  # whatever the user's loss raises on a wrong shape
+            raise LaunchError(f"model {name}'s loss fails on its output {got} and targets "
+                              f"{list(targets.shape)}: {type(exc).__name__}: "
+                              f"{str(exc).splitlines()[0]}",
+                              hint="make loss(outputs, targets) accept what forward returns "
+                              "and the dataset's targets") from None
+        return
+    expected = {"classify": [*targets.shape, num_classes], "regress": list(targets.shape),
+                "reconstruct": list(inputs.shape)}[spec.task]
+    fits = isinstance(out, torch.Tensor) and (
+        list(out.shape) == expected if spec.task != "classify"
+        else list(out.shape[:-1]) == expected[:-1] and out.shape[-1] >= num_classes)
+    if not fits:
+        hint = (f"a classifier must return logits {['B', *expected[1:]]} ({num_classes} classes "
+                "in this dataset), or define loss(outputs, targets)" if spec.task == "classify"
+                else "return the shape above, or define loss(outputs, targets)")
+        raise LaunchError(f"model {name} returns {got} for a batch of {len(inputs)}, "
+                          f"expected {expected}", hint=hint)

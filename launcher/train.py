@@ -16,7 +16,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DistributedSampler
@@ -285,15 +284,12 @@ class Trainer:
         return total_loss, times, time.perf_counter() - started
 
     def _loss(self, idx: torch.Tensor) -> torch.Tensor:
-        images = self.data.train.images[idx].to(self.device, non_blocking=True)
+        inputs = self.data.train.inputs[idx].to(self.device, non_blocking=True)
+        targets = self.data.train.targets[idx].to(self.device, non_blocking=True)
         if self.config.sync == "manual" and self.env.is_distributed and self.buffers_every_step:
             buffers_follow_rank_0(self.module)  # what DDP's broadcast_buffers does
         with self._autocast():
-            out = self.model(images)
-            if self.spec.task == "reconstruct":
-                return F.mse_loss(out.float(), images)
-            labels = self.data.train.labels[idx].to(self.device, non_blocking=True)
-            return F.cross_entropy(out.float(), labels)
+            return self.spec.loss(self.model(inputs), inputs, targets)
 
     def _autocast(self):
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.config.precision)
@@ -307,24 +303,25 @@ class Trainer:
         self.module.eval()
         test = self.data.test
         idx = torch.arange(self.env.rank, len(test), self.env.world_size)
-        sums = torch.zeros(3, dtype=torch.float64, device=self.device)
+        # loss x samples, right predictions, samples, predictions
+        sums = torch.zeros(4, dtype=torch.float64, device=self.device)
         for chunk in idx.split(256):
-            images = test.images[chunk].to(self.device)
+            inputs = test.inputs[chunk].to(self.device)
+            targets = test.targets[chunk].to(self.device)
             with self._autocast():
-                out = self.module(images).float()
-            if self.spec.task == "reconstruct":
-                sums[0] += F.mse_loss(out, images, reduction="none").flatten(1).mean(1).sum()
-            else:
-                labels = test.labels[chunk].to(self.device)
-                sums[0] += F.cross_entropy(out, labels, reduction="sum")
-                sums[1] += (out.argmax(1) == labels).sum()
+                out = self.module(inputs).float()
+            sums[0] += self.spec.loss(out, inputs, targets).double() * len(chunk)
             sums[2] += len(chunk)
+            correct = self.spec.correct(out, targets)
+            if correct is not None:
+                sums[1] += correct[0]
+                sums[3] += correct[1]
         self.module.train()
         if self.env.is_distributed:
             dist.all_reduce(sums)
         result = {"test_loss": sums[0].item() / sums[2].item()}
         if self.spec.task == "classify":
-            result["test_accuracy"] = sums[1].item() / sums[2].item()
+            result["test_accuracy"] = sums[1].item() / sums[3].item()
         return result
 
     # --- stopping ---------------------------------------------------------------------------
@@ -382,8 +379,9 @@ def _build_checked_model(config: TrainConfig, data: Dataset, env: JobEnv) -> Mod
     """The model, built the same way on every rank; a bad one is an error on all ranks."""
     with agree():
         torch.manual_seed(config.seed)
-        spec = build_model(config.model, data.num_classes, config.dropout)
-        check_output(spec, data.train.images[:2], data.num_classes, config.model)
+        spec = build_model(config.model, data.num_classes, config.dropout, data.float_targets)
+        check_output(spec, data.train.inputs[:2], data.train.targets[:2], data.num_classes,
+                     config.model)
     return spec
 
 

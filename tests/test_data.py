@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import gzip
+import re
 import struct
+import sys
 
 import numpy as np
 import pytest
+import torch
 
 from launcher import data
+from launcher.data import user_dataset
 from launcher.errors import LaunchError
 
 
@@ -124,10 +128,10 @@ def test_cache_is_written_once_and_read_back(tmp_path):
     cache = tmp_path / "cache" / "digits-28x28-v1.pt"
     assert cache.is_file()
     assert [p.name for p in cache.parent.iterdir()] == [cache.name]  # no temp files left
-    assert dataset.train.images.shape == (1438, 1, 28, 28)
-    assert dataset.train.images.min() >= 0.0 and dataset.train.images.max() <= 1.0
+    assert dataset.train.inputs.shape == (1438, 1, 28, 28)
+    assert dataset.train.inputs.min() >= 0.0 and dataset.train.inputs.max() <= 1.0
     again = data.load_dataset("digits", tmp_path, local_rank=1)  # reads the cache
-    assert (again.test.labels == dataset.test.labels).all()
+    assert (again.test.targets == dataset.test.targets).all()
 
 
 def test_corrupt_cache_is_a_clear_error(tmp_path):
@@ -141,5 +145,33 @@ def test_corrupt_cache_is_a_clear_error(tmp_path):
 
 def test_synthetic_is_deterministic():
     a, b = data.synthetic_dataset(), data.synthetic_dataset()
-    assert (a.train.images == b.train.images).all() and (a.test.labels == b.test.labels).all()
-    assert len(set(a.train.labels.tolist())) > 1
+    assert (a.train.inputs == b.train.inputs).all() and (a.test.targets == b.test.targets).all()
+    assert len(set(a.train.targets.tolist())) > 1
+
+
+def _factory(monkeypatch, made):
+    module = type(sys)("userdata")
+    module.make = lambda: made
+    monkeypatch.setitem(sys.modules, "userdata", module)
+    return "userdata:make"
+
+
+def test_a_user_dataset_of_any_shape(monkeypatch):
+    tokens = torch.randint(7, (10, 5))
+    dataset = user_dataset(_factory(monkeypatch, ((tokens[:8], tokens[:8]),
+                                                  (tokens[8:], tokens[8:]))))
+    assert len(dataset.train) == 8 and len(dataset.test) == 2
+    assert dataset.num_classes == int(tokens.max()) + 1 and not dataset.float_targets
+
+
+@pytest.mark.parametrize("made, message", [
+    (42, "returned int, not two (inputs, targets) pairs"),
+    (((torch.zeros(3, 2), torch.zeros(2)), (torch.zeros(1, 2), torch.zeros(1))),
+     "the train split has 3 inputs and 2 targets"),
+    ((([1, 2], torch.zeros(2)), (torch.zeros(1, 2), torch.zeros(1))),
+     "the train split holds list and Tensor, not tensors"),
+])
+def test_a_bad_user_dataset_says_what_is_wrong(monkeypatch, made, message):
+    with pytest.raises(LaunchError, match=re.escape(message)) as info:
+        user_dataset(_factory(monkeypatch, made))
+    assert "((train_inputs, train_targets), (test_inputs, test_targets))" in info.value.hint

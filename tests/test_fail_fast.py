@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from launcher.errors import EXIT_RANK_FAILED, EXIT_USER_ERROR
+from tests.fixtures.gpu import nccl_ranks, needs_gpu
 from tests.fixtures.host_mpi import OPENMPI_ROOT_ENV
 from tests.fixtures.mpi import REPO_ROOT, clean_environ, mpiexec_path
 
@@ -72,9 +73,10 @@ def _mpiexec(args: list[str], env: dict[str, str]) -> subprocess.CompletedProces
                           timeout=TIMEOUT_S + 60, env=clean_environ(env), cwd=REPO_ROOT)
 
 
-def _torchrun(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+def _torchrun(args: list[str], env: dict[str, str], ranks: int = 2
+              ) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc-per-node", "2", "--no-python", "sh", "-c", RECORD, "sh",
+                           "--nproc-per-node", str(ranks), "--no-python", "sh", "-c", RECORD, "sh",
                            sys.executable, *args], capture_output=True, text=True,
                           timeout=TIMEOUT_S + 60, env=clean_environ(env), cwd=REPO_ROOT)
 
@@ -223,3 +225,20 @@ def test_a_single_process_ends_with_the_same_status_and_its_traceback(tmp_path, 
     assert result.returncode == EXIT_RANK_FAILED, result.stderr
     assert result.stderr.count("[rank 0] Traceback") == 1, result.stderr
     assert "[rank 0] ValueError: injected fault at step 5" in result.stderr, result.stderr
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("where", ["step-5", "evaluation"])
+def test_nccl_one_rank_raises_every_rank_ends(tmp_path, data_dir, where):
+    """The same ending with NCCL, one rank per GPU (two where two GPUs are visible)."""
+    ranks = nccl_ranks()
+    fault = FAULTS[where] if ranks == 2 else Fault(FAULTS[where].at, 0, FAULTS[where].kind)
+    run_dir = tmp_path / "run"
+    result = _torchrun(_train_args(run_dir, data_dir, "nccl", fault), _fault_env(fault), ranks)
+    if ranks == 2:
+        _check(result, fault, run_dir, every_rank_recorded=True)
+    else:
+        assert _exits(result.stderr)[0][0] == EXIT_RANK_FAILED, result.stderr
+        assert f"[rank 0] {fault.kind}: injected fault" in result.stderr, result.stderr
+    _no_rank_left()

@@ -197,6 +197,22 @@ def test_the_mpi5_standard_abi_runs_through_the_images_mpiabi_extension(ch_image
     equal_hashes(run_host([*mpiexec, "launcher.train", *TRAIN]))
 
 
+@pytest.mark.mpi
+def test_your_own_script_runs_in_the_image(ch_image, tmp_path):
+    """A copy of examples/tokens_transformer.py in the user's directory, bound in: `import
+    launcher` finds the image's package, and the ranks train with equal parameters."""
+    (tmp_path / "my_train.py").write_text(
+        (REPO_ROOT / "examples" / "tokens_transformer.py").read_text())
+    mpiexec = [str(mpiexec_path()), "-n", "2", *ch_run(ch_image, tmp_path), "python"]
+    result = run_host([*mpiexec, f"{SCRATCH}/my_train.py", "--steps", "30", "--backend", "mpi",
+                       "--run-dir", f"{SCRATCH}/run"])
+    out = result.stdout.replace("\0", "")
+    assert result.returncode == 0, f"{out}\n{result.stderr}"
+    hashes = dict(re.findall(r"param-sha256 rank=(\d) ([0-9a-f]{16})", out))
+    assert sorted(hashes) == ["0", "1"] and len(set(hashes.values())) == 1, out
+    assert (tmp_path / "run" / "checkpoints" / "ckpt-00000030.pt").exists()
+
+
 # -- bind: the host's MPI library replaces the image's ----------------------------------------
 
 

@@ -262,7 +262,24 @@ def user_models(tmp_path) -> dict[str, str]:
         "    def forward(self, x):\n"
         "        if self.training:\n"
         "            self.scale.mul_(0.9).add_(0.1 * x.mean())\n"
-        "        return self.net(x) * self.scale\n")
+        "        return self.net(x) * self.scale\n"
+        # token sequences and a model of their own shape: nothing about 28x28 images
+        "def counting():\n"
+        "    g = torch.Generator().manual_seed(0)\n"
+        "    start = torch.randint(20, (600, 1), generator=g)\n"
+        "    step = torch.randint(1, 3, (600, 1), generator=g)\n"
+        "    seq = (start + step * torch.arange(9)) % 20\n"
+        "    return (seq[:512, :-1], seq[:512, 1:]), (seq[512:, :-1], seq[512:, 1:])\n"
+        "class Tagger(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.embed, self.mix = nn.Embedding(20, 32), nn.GRU(32, 32, batch_first=True)\n"
+        "        self.head = nn.Linear(32, 20)\n"
+        "    def forward(self, tokens):\n"
+        "        return self.head(self.mix(self.embed(tokens))[0])\n"
+        "class TaggerWithLoss(Tagger):\n"
+        "    def loss(self, outputs, targets):\n"
+        "        return nn.functional.cross_entropy(outputs.transpose(1, 2), targets)\n")
     return {"PYTHONPATH": f"{tmp_path}{os.pathsep}{Path(__file__).resolve().parents[1]}"}
 
 
@@ -339,6 +356,21 @@ def test_user_model_trains(tmp_path, data_dir, user_models):
     assert evaluation["test_accuracy"] > 0.5
 
 
+@pytest.mark.parametrize("model, backend", [("Tagger", "mpi"), ("TaggerWithLoss", "gloo")])
+def test_a_dataset_and_model_of_any_shape_train(tmp_path, data_dir, user_models, model,
+                                                 backend):
+    """--dataset and --model factories of the user's own: token sequences [B, 8] in, logits
+    [B, 8, 20] out; cross-entropy over the last dimension by default, or the model's loss."""
+    result = train(2, tmp_path / "run", data_dir, "--dataset", "mymodels:counting", "--model",
+                   f"mymodels:{model}", "--epochs", "2", "--lr", "0.5",
+                   "--global-batch-size", "32", backend=backend, env=user_models)
+    assert result.returncode == 0, result.output
+    the_hash(result)
+    first, last = metrics(tmp_path / "run", "eval")
+    assert last["test_loss"] < first["test_loss"], (first, last)
+    assert ("test_accuracy" in last) is (model == "Tagger")
+
+
 def test_ddp_equals_manual_for_cnn_with_batch_norm_dropout_and_accumulation(tmp_path, data_dir):
     flags = ["--model", "cnn", "--epochs", "1", "--grad-accum", "2", "--max-steps", "8"]
     ddp = train(2, tmp_path / "ddp", data_dir, *flags, "--sync", "ddp")
@@ -363,7 +395,7 @@ def test_every_rank_evaluates_with_rank_0s_batch_norm_statistics(tmp_path, data_
     model.load_state_dict(saved_model(tmp_path, 44))
     test = load_dataset("digits", data_dir, local_rank=0).test
     with torch.no_grad():
-        loss = torch.nn.functional.cross_entropy(model.eval()(test.images), test.labels)
+        loss = torch.nn.functional.cross_entropy(model.eval()(test.inputs), test.targets)
     # each rank using its own statistics moves the loss by ~1e-3; rounding alone, by ~1e-7
     assert reported["test_loss"] == pytest.approx(loss.item(), rel=1e-5)
 
