@@ -25,6 +25,7 @@ from launcher.config import TrainConfig, parse_args
 from launcher.data import Dataset, load_dataset
 from launcher.env import JobEnv
 from launcher.errors import EXIT_PREEMPTED, LaunchError
+from launcher.evaluation import autocast, evaluate
 from launcher.gradient_sync import (
     allreduce_gradients,
     buffers_follow_rank_0,
@@ -292,37 +293,11 @@ class Trainer:
             return self.spec.loss(self.model(inputs), inputs, targets)
 
     def _autocast(self):
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.config.precision)
-        return torch.autocast(self.device.type, dtype=dtype, enabled=dtype is not None)
+        return autocast(self.device, self.config.precision)
 
-    @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Collective: loss (and accuracy) on the held-out split, summed over all ranks."""
-        if self.env.is_distributed:
-            buffers_follow_rank_0(self.module)  # evaluate the model the checkpoint holds
-        self.module.eval()
-        test = self.data.test
-        idx = torch.arange(self.env.rank, len(test), self.env.world_size)
-        # loss x samples, right predictions, samples, predictions
-        sums = torch.zeros(4, dtype=torch.float64, device=self.device)
-        for chunk in idx.split(256):
-            inputs = test.inputs[chunk].to(self.device)
-            targets = test.targets[chunk].to(self.device)
-            with self._autocast():
-                out = self.module(inputs).float()
-            sums[0] += self.spec.loss(out, inputs, targets).double() * len(chunk)
-            sums[2] += len(chunk)
-            correct = self.spec.correct(out, targets)
-            if correct is not None:
-                sums[1] += correct[0]
-                sums[3] += correct[1]
-        self.module.train()
-        if self.env.is_distributed:
-            dist.all_reduce(sums)
-        result = {"test_loss": sums[0].item() / sums[2].item()}
-        if self.spec.task == "classify":
-            result["test_accuracy"] = sums[1].item() / sums[3].item()
-        return result
+        """Collective: loss (and accuracy) on the held-out split, over all ranks."""
+        return evaluate(self.spec, self.data.test, self.env, self.device, self.config.precision)
 
     # --- stopping ---------------------------------------------------------------------------
 
