@@ -79,7 +79,7 @@ make_venv() {
     [[ -x $VENV/bin/python ]] || "$PYTHON" -m venv "$VENV"
     echo "bootstrap: installing the project into $VENV ($TORCH_SPEC)"
     "$VENV/bin/python" -m pip install --quiet --progress-bar off \
-        -e "${ROOT}[mpich,dev]" "$TORCH_SPEC"
+        -e "${ROOT}[mpich,tasks,dev]" "$TORCH_SPEC"
     echo "$stamp" >"$VENV/.bootstrap-stamp"
 }
 

@@ -23,8 +23,7 @@ from tests.fixtures.docker import COLD_BUILD_TIMEOUT
 def test_every_version_is_pinned_at_the_top_of_the_dockerfile():
     pins = ic.pins()
     for name in ("BASE_IMAGE", "FLAVOR", "PYTHON_VERSION", "MPICH_VERSION", "MPI4PY_VERSION",
-                 "TORCH_VERSION", "NUMPY_VERSION", "SCIPY_VERSION", "SCIKIT_LEARN_VERSION",
-                 "INVOKE_VERSION"):
+                 "TORCH_VERSION", "NUMPY_VERSION", "SCIPY_VERSION", "SCIKIT_LEARN_VERSION"):
         assert pins.get(name), f"ARG {name} has no default"
     assert pins["TORCH_VERSION"] == "2.13.0"
     # the ARGs come before the first FROM: one place to read and change them
@@ -180,7 +179,10 @@ def test_runtime_is_lean_non_root_and_keeps_no_build_input(cpu_image, run_in_ima
     script = ("id -u; for tool in gcc cc make; do command -v $tool && echo HAS-$tool; done; "
               "ls /tmp/build-inputs /etc/pip.conf /opt/ddp/venv/pip.conf 2>&1; "
               "echo CA-FILES=$(ls -A /opt/ddp/ca | wc -l); "
-              "ls /etc/ssh/ssh_host_* 2>&1; command -v sshd ssh ps ip")
+              "ls /etc/ssh/ssh_host_* 2>&1; command -v sshd ssh ps ip; "
+              # the host's tasks and their dependencies: no rank runs them
+              "for module in invoke docker spython ddp_tasks; do "
+              "python -c \"import $module\" 2>/dev/null && echo HAS-$module; done")
     status, output = run_in_image(cpu_image, ["bash", "-c", script])
     assert output.splitlines()[0] == "1000"
     assert "HAS-" not in output
