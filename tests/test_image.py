@@ -6,8 +6,11 @@ The pure builders behind `invoke base/build` are checked first (no engine needed
 from __future__ import annotations
 
 import inspect
+import io
 import re
 import subprocess
+import zipfile
+from pathlib import Path
 
 import pytest
 
@@ -15,7 +18,7 @@ from ddp_tasks import image as image_tasks
 from ddp_tasks import image_commands as ic
 from launcher import __version__
 from launcher.errors import LaunchError
-from tests.fixtures.docker import COLD_BUILD_TIMEOUT
+from tests.fixtures.docker import COLD_BUILD_TIMEOUT, HOST_CA_BUNDLE
 
 # ------------------------------------------------------------------------------ pure builders
 
@@ -208,3 +211,45 @@ def test_labels_and_identity(cpu_image, dockerd):
     assert re.fullmatch(r"[0-9a-f]{16}", labels["io.ddp.source-digest"])
     assert f"DDP_IMAGE={IDENTITY}" in image.attrs["Config"]["Env"]
     assert image.attrs["Config"]["User"] == "1000:1000"
+
+
+def _stand_in_torch_wheel(directory: Path, local: str, cuda: str | None) -> Path:
+    """A wheel named torch 2.13.0+LOCAL whose ``torch.version.cuda`` is CUDA: what pip would
+    install, for the build's guard, without gigabytes of the real one."""
+    version = f"{ic.pins()['TORCH_VERSION']}+{local}"
+    wheel = directory / f"torch-{version}-py3-none-any.whl"
+    info = f"torch-{version}.dist-info"
+    files = {
+        "torch/__init__.py": "from torch import version\n",
+        "torch/version.py": f"__version__ = {version!r}\ncuda = {cuda!r}\n",
+        f"{info}/METADATA": f"Metadata-Version: 2.1\nName: torch\nVersion: {version}\n",
+        f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
+                         "Tag: py3-none-any\n",
+    }
+    files[f"{info}/RECORD"] = "".join(f"{name},,\n" for name in [*files, f"{info}/RECORD"])
+    directory.mkdir(parents=True, exist_ok=True)
+    with zipfile.ZipFile(wheel, "w") as archive:
+        for name, text in files.items():
+            archive.writestr(name, text)
+    return wheel
+
+
+@docker_test
+def test_a_cpu_build_that_would_get_cuda_torch_stops_with_a_hint(dockerd, base_image, tmp_path):
+    """The trap of a closed network: no CPU index, no CPU wheel, and pip takes PyPI's CUDA torch
+    for the cpu flavor without a word (a 5 GB image labelled cpu). A stand-in torch that says
+    it was built for CUDA plays PyPI's: the build stops at it, and tags nothing."""
+    wheelhouse = tmp_path / "wheelhouse"
+    _stand_in_torch_wheel(wheelhouse, "cu130", "13.0")
+    log = io.StringIO()
+    with pytest.raises(LaunchError, match="image build failed"):
+        image_tasks.build_image(flavor="cpu", name="ddp-guard", base_image=base_image,
+                                wheelhouse=str(wheelhouse), ca_bundle=_host_bundle(), out=log)
+    text = log.getvalue()
+    assert "error: the cpu flavor got torch 2.13.0 built for CUDA 13.0" in text, text
+    assert "HINT: pip download --no-deps torch==2.13.0 --index-url" in text, text
+    assert not image_tasks.image_exists(dockerd, "ddp-guard:cpu")
+
+
+def _host_bundle() -> str:
+    return str(HOST_CA_BUNDLE) if HOST_CA_BUNDLE.is_file() else ""
