@@ -230,7 +230,9 @@ def _stand_in_torch_wheel(directory: Path, local: str, cuda: str | None) -> Path
     directory.mkdir(parents=True, exist_ok=True)
     with zipfile.ZipFile(wheel, "w") as archive:
         for name, text in files.items():
-            archive.writestr(name, text)
+            # fixed dates: the same bytes every run, so the engine's cache takes the failed
+            # build's layers again instead of keeping one more copy per run
+            archive.writestr(zipfile.ZipInfo(name, date_time=(2020, 1, 1, 0, 0, 0)), text)
     return wheel
 
 
