@@ -20,6 +20,7 @@ from pathlib import Path
 from invoke import task
 from invoke.exceptions import Exit
 
+from ddp_tasks import apptainer_def
 from ddp_tasks import image_commands as ic
 from launcher import __version__
 from launcher.errors import EXIT_USER_ERROR, LaunchError
@@ -289,13 +290,16 @@ def _shown_only(command: list[str], dry_run: bool, install_hint: str) -> bool:
     return False
 
 
-def sif_plan(*, output: str, source: str, image: str, executable: str = "apptainer",
-             fakeroot: bool = False) -> tuple[Path, str, list[str]]:
-    """``(def path, def text, command)`` for ``apptainer build``: the repository's def as is
-    for its own source and image, else a copy pointed at IMAGE under build/."""
-    text = ic.APPTAINER_DEF.read_text()
+def sif_plan(*, output: str, flavor: str, source: str, image: str,
+             executable: str = "apptainer", fakeroot: bool = False
+             ) -> tuple[Path, str, list[str]]:
+    """``(def path, def text, command)`` for ``apptainer build``: the flavor's def as is for
+    its own source and image, else a copy pointed at IMAGE under build/."""
+    ic.check_flavor(flavor)
+    own = ic.apptainer_def(flavor)
+    text = own.read_text()
     wanted = ic.sif_definition(text, source, image)
-    path = ic.APPTAINER_DEF if wanted == text else ic.ROOT / "build" / f"ddp-{source}.def"
+    path = own if wanted == text else ic.ROOT / "build" / f"ddp-{flavor}-{source}.def"
     return path, wanted, ic.sif_command(output, str(path), executable, fakeroot)
 
 
@@ -312,19 +316,30 @@ def sif_plan(*, output: str, source: str, image: str, executable: str = "apptain
 })
 def sif(c, output="ddp.sif", flavor="cpu", name=ic.DEFAULT_NAME, source="docker-daemon", image="",
         fakeroot=False, dry_run=False):
-    """Build an Apptainer SIF from the Docker image with apptainer/ddp.def."""
+    """Build an Apptainer SIF from the Docker image with apptainer/ddp-FLAVOR.def."""
     executable = shutil.which("apptainer") or shutil.which("singularity") or "apptainer"
     with user_errors():
-        path, text, command = sif_plan(output=output, source=source,
+        path, text, command = sif_plan(output=output, flavor=flavor, source=source,
                                        image=image or ic.image_tag(name, flavor),
                                        executable=Path(executable).name, fakeroot=fakeroot)
+        if dry_run:
+            print(f"# {path.relative_to(ic.ROOT)}\n{text}", flush=True)
         if _shown_only(command, dry_run, "install Apptainer (https://apptainer.org/docs/admin/"
                        "main/installation.html) or use --dry-run to see the command"):
             return
-    if path != ic.APPTAINER_DEF:
+    if path != ic.apptainer_def(flavor):
         path.parent.mkdir(exist_ok=True)
         path.write_text(text)
     subprocess.run(command, check=True, timeout=7200, cwd=ic.ROOT)
+
+
+@task
+def sif_defs(c):
+    """Write apptainer/ddp-FLAVOR.def for every flavor from docker/Dockerfile."""
+    ic.APPTAINER_DIR.mkdir(exist_ok=True)
+    for flavor in ic.FLAVORS:
+        ic.apptainer_def(flavor).write_text(apptainer_def.definition(flavor))
+        print(f"wrote {ic.apptainer_def(flavor).relative_to(ic.ROOT)}")
 
 
 # ----------------------------------------------------------------------------------- chimage
@@ -350,4 +365,4 @@ def chimage(c, output="", flavor="cpu", name=ic.DEFAULT_NAME, image="", dry_run=
     subprocess.run(command, check=True, timeout=1800, cwd=ic.ROOT)
 
 
-TASKS = [base, build, push, sif, chimage]
+TASKS = [base, build, push, sif, sif_defs, chimage]

@@ -1,4 +1,4 @@
-"""apptainer/ddp.def: parsed with spython, pins equal to the Dockerfile's, exact build commands.
+"""apptainer/ddp-FLAVOR.def: generated from the Dockerfile, parsed with spython, exact commands.
 
 No Apptainer binary exists for Debian 12 or on PyPI, so the SIF itself is not built here: the
 definition is checked by parsing and `invoke sif --dry-run` by its exact command line.
@@ -12,8 +12,10 @@ import sys
 import pytest
 from spython.main.parse.parsers import SingularityParser
 
+from ddp_tasks import apptainer_def
 from ddp_tasks import image as image_tasks
 from ddp_tasks import image_commands as ic
+from launcher import __version__
 from launcher.errors import LaunchError
 
 INVOKE = [sys.executable, "-m", "invoke"]
@@ -27,22 +29,41 @@ def labels(recipe) -> dict[str, str]:
     return dict(line.split(" ", 1) for line in recipe.labels)
 
 
-def test_def_labels_pin_the_dockerfile_versions():
-    pins = ic.pins()
-    found = labels(parse(ic.APPTAINER_DEF))
-    assert found["io.ddp.torch"] == pins["TORCH_VERSION"]
-    assert found["io.ddp.mpi4py"] == pins["MPI4PY_VERSION"]
-    assert found["io.ddp.python"] == pins["PYTHON_VERSION"]
-    assert found["io.ddp.flavor"] == pins["FLAVOR"]
-    assert found["io.ddp.mpi"].startswith(f"mpich {pins['MPICH_VERSION']} ")
-    assert found["io.ddp.mpi.openmpi"].startswith(f"openmpi {pins['OPENMPI_VERSION']} ")
+@pytest.mark.parametrize("flavor", ic.FLAVORS)
+def test_the_committed_definition_is_the_generated_one(flavor):
+    """apptainer/ddp-FLAVOR.def is written by `invoke sif-defs`: a change to the Dockerfile's
+    pins, labels or ENV that did not regenerate it fails here."""
+    assert ic.apptainer_def(flavor).read_text() == apptainer_def.definition(flavor), (
+        "run `invoke sif-defs` and commit apptainer/")
 
 
-def test_def_environment_matches_the_image():
-    recipe = parse(ic.APPTAINER_DEF)
-    assert recipe.fromHeader == ic.image_tag(ic.DEFAULT_NAME, "cpu")
+def test_a_pin_changed_in_the_dockerfile_changes_the_definition():
+    dockerfile = ic.DOCKERFILE.read_text().replace("ARG TORCH_VERSION=2.13.0",
+                                                   "ARG TORCH_VERSION=9.9.9")
+    assert "io.ddp.torch 9.9.9" in apptainer_def.definition("cpu", dockerfile)
+
+
+@pytest.mark.parametrize("flavor", ic.FLAVORS)
+def test_def_labels_pin_the_dockerfile_versions(flavor):
+    args = apptainer_def.flavor_args(flavor, ic.pins())
+    found = labels(parse(ic.apptainer_def(flavor)))
+    assert found["io.ddp.torch"] == args["TORCH_VERSION"]
+    assert found["io.ddp.mpi4py"] == args["MPI4PY_VERSION"]
+    assert found["io.ddp.python"] == args["PYTHON_VERSION"]
+    assert found["io.ddp.flavor"] == flavor
+    assert found["io.ddp.mpi"].startswith(f"mpich {args['MPICH_VERSION']} ")
+    assert found["io.ddp.mpi.openmpi"].startswith(f"openmpi {args['OPENMPI_VERSION']} ")
+    assert ("io.ddp.cuda" in found) is (flavor == "cuda")
+
+
+@pytest.mark.parametrize("flavor", ic.FLAVORS)
+def test_def_environment_matches_the_image(flavor):
+    recipe = parse(ic.apptainer_def(flavor))
+    assert recipe.fromHeader == ic.image_tag(ic.DEFAULT_NAME, flavor)
     assert "PATH=/opt/ddp/venv/bin:$PATH" in recipe.environ
-    assert f"DDP_IMAGE=${{DDP_IMAGE:-{ic.pins()['DDP_IMAGE']}}}" in recipe.environ
+    identity = ic.image_identity(ic.DEFAULT_NAME, __version__, flavor)
+    assert f"DDP_IMAGE=${{DDP_IMAGE:-{identity}}}" in recipe.environ
+    assert "MPIR_CVAR_CH4_CMA_ENABLE=${MPIR_CVAR_CH4_CMA_ENABLE:-0}" in recipe.environ
     assert "python -m launcher.check" in "\n".join(recipe.install)  # spython's form of %test
     assert recipe.cmd == 'exec python -m launcher.train "$@"'
 
@@ -53,12 +74,12 @@ def test_def_environment_matches_the_image():
     ("docker", "registry.example.org:5000/team/ddp:cpu"),
 ])
 def test_sif_definition_points_the_header_at_the_image(tmp_path, source, image):
-    text = ic.sif_definition(ic.APPTAINER_DEF.read_text(), source, image)
+    text = ic.sif_definition(ic.apptainer_def("cpu").read_text(), source, image)
     (tmp_path / "ddp.def").write_text(text)
     assert text.splitlines()[:2] == [f"Bootstrap: {source}", f"From: {image}"]
     assert parse(tmp_path / "ddp.def").fromHeader == image
     # only the header changes
-    assert text.splitlines()[2:] == ic.APPTAINER_DEF.read_text().splitlines()[2:]
+    assert text.splitlines()[2:] == ic.apptainer_def("cpu").read_text().splitlines()[2:]
 
 
 def test_sif_definition_rejects_an_unknown_source():
@@ -68,17 +89,27 @@ def test_sif_definition_rejects_an_unknown_source():
 
 
 def test_sif_plan_uses_the_repository_def_for_the_default_image():
-    path, _, command = image_tasks.sif_plan(output="ddp-cpu.sif", source="docker-daemon",
-                                            image="ddp:cpu")
-    assert path == ic.APPTAINER_DEF
-    assert command == ["apptainer", "build", "ddp-cpu.sif", str(ic.APPTAINER_DEF)]
+    path, _, command = image_tasks.sif_plan(output="ddp-cpu.sif", flavor="cpu",
+                                            source="docker-daemon", image="ddp:cpu")
+    assert path == ic.apptainer_def("cpu")
+    assert command == ["apptainer", "build", "ddp-cpu.sif", str(path)]
 
 
 def test_sif_dry_run_prints_the_exact_command():
     result = subprocess.run([*INVOKE, "sif", "--dry-run"], cwd=ic.ROOT, capture_output=True,
                             text=True, timeout=60)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.splitlines()[-1] == f"apptainer build ddp.sif {ic.APPTAINER_DEF}"
+    assert result.stdout.splitlines()[-1] == f"apptainer build ddp.sif {ic.apptainer_def('cpu')}"
+
+
+def test_sif_dry_run_for_cuda_shows_a_cuda_definition_with_nv():
+    result = subprocess.run([*INVOKE, "sif", "--flavor", "cuda", "--dry-run"], cwd=ic.ROOT,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "From: ddp:cuda" in result.stdout and "io.ddp.flavor cuda" in result.stdout
+    assert "apptainer exec --nv ddp-cuda.sif" in result.stdout
+    assert result.stdout.splitlines()[-1] == (
+        f"apptainer build ddp.sif {ic.apptainer_def('cuda')}")
 
 
 def test_sif_dry_run_for_a_registry_image_with_fakeroot():
@@ -87,5 +118,5 @@ def test_sif_dry_run_for_a_registry_image_with_fakeroot():
          "--image", "127.0.0.1:5000/ddp:cpu", "--output", "out.sif"],
         cwd=ic.ROOT, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
-    expected = f"apptainer build --fakeroot out.sif {ic.ROOT / 'build' / 'ddp-docker.def'}"
+    expected = f"apptainer build --fakeroot out.sif {ic.ROOT / 'build' / 'ddp-cpu-docker.def'}"
     assert result.stdout.splitlines()[-1] == expected
