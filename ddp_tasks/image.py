@@ -119,11 +119,13 @@ def base(c, tag=ic.DEFAULT_BASE_TAG, suite="bookworm", mirror=ic.DEBIAN_MIRROR):
 
 # --------------------------------------------------------------------------------------- build
 
-def stage_build_inputs(wheelhouse: str, ca_bundle: str, root: Path = ic.ROOT) -> Path:
+def stage_build_inputs(wheelhouse: str, ca_bundle: str, root: Path = ic.ROOT,
+                       flavor: str = "cpu") -> Path:
     """Fill ``.build-inputs/`` in the context: links to the wheels, a copy of the CA bundle.
 
     Stateless: what a previous build left there is replaced, so a build without ``--ca-bundle``
-    never uses an old bundle.
+    never uses an old bundle. Torch wheels of another flavor (``torch-*+cpu`` for cuda) stay
+    out: pip would prefer them, their local version sorting above PyPI's.
     """
     inputs = root / ic.BUILD_INPUTS
     shutil.rmtree(inputs, ignore_errors=True)
@@ -134,6 +136,8 @@ def stage_build_inputs(wheelhouse: str, ca_bundle: str, root: Path = ic.ROOT) ->
                           hint="create it with `pip download --no-deps torch==VERSION -d DIR` "
                                "or leave --wheelhouse out")
     for wheel in sorted(source.glob("*.whl")) if source else []:
+        if flavor != "cpu" and wheel.name.startswith("torch-") and "+cpu" in wheel.name:
+            continue
         target = inputs / "wheelhouse" / wheel.name
         try:
             target.hardlink_to(wheel)
@@ -191,7 +195,7 @@ def build_image(*, flavor: str = "cpu", name: str = ic.DEFAULT_NAME, base_image:
         wheelhouse_path = None  # the default is optional; an explicit directory is not
     client = docker_client()
     with build_lock():
-        inputs = stage_build_inputs(str(wheelhouse_path or ""), ca_bundle)
+        inputs = stage_build_inputs(str(wheelhouse_path or ""), ca_bundle, flavor=flavor)
         digest = ic.source_digest()
         if reuse_current and image_exists(client, tag) \
                 and client.images.get(tag).labels.get("io.ddp.source-digest") == digest:
@@ -211,10 +215,11 @@ def build_image(*, flavor: str = "cpu", name: str = ic.DEFAULT_NAME, base_image:
 
 
 @task(help={
-    "flavor": "cpu (Debian base, CPU torch) or cuda (NVIDIA CUDA base, CUDA torch, NCCL)",
+    "flavor": "cpu (CPU torch) or cuda (PyPI's CUDA torch with the CUDA user space, cuDNN and "
+              "NCCL as wheels); both on the Debian base",
     "name": f"image name; the tag is NAME:FLAVOR (default {ic.DEFAULT_NAME})",
     "base_image": "base image for both stages, e.g. ddp-base:bookworm from `invoke base` "
-                  "(default: debian:bookworm-slim for cpu, nvidia/cuda for cuda)",
+                  "(default: debian:bookworm-slim)",
     "wheelhouse": f"directory of wheels for pip --find-links, e.g. the torch wheel "
                   f"(default {ic.DEFAULT_WHEELHOUSE}/ when it exists)",
     "ca_bundle": "full CA bundle pip trusts during the build, for TLS-intercepting proxies "

@@ -31,19 +31,22 @@ DEFAULT_NAME = "ddp"
 DEFAULT_BASE_TAG = "ddp-base:bookworm"
 DEBIAN_MIRROR = "http://deb.debian.org/debian"
 DEBIAN_SECURITY = "http://deb.debian.org/debian-security"
-#: PyTorch's own index for the wheels of each flavor (PyPI's default Linux wheel is the CUDA one)
+#: where each flavor's torch comes from: PyTorch's CPU index for cpu; for cuda PyPI itself,
+#: whose default Linux wheel is the CUDA build and brings the CUDA user space as wheels
 TORCH_INDEX = {
     "cpu": "https://download.pytorch.org/whl/cpu",
-    "cuda": "https://download.pytorch.org/whl/cu128",
+    "cuda": "",
 }
-#: build arguments each flavor changes from the Dockerfile's defaults (which are the cpu ones);
-#: cuda is documented, not buildable here: its base image needs a registry
+#: build arguments each flavor changes from the Dockerfile's defaults (which are the cpu ones).
+#: Both flavors share the Debian base; cuda's versions are those torch's wheel requires
+#: (==) and the build checks them; only the driver comes from the host at run time
 FLAVOR_ARGS = {
     "cpu": {},
     "cuda": {
-        "BASE_IMAGE": "nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04",
-        "PYTHON_VERSION": "3.12",
-        "CUDA_VERSION": "12.8",
+        "CUDA_VERSION": "13.0",
+        "CUDNN_VERSION": "9.20.0.48",
+        "NCCL_VERSION": "2.29.7",
+        "NVIDIA_VISIBLE_DEVICES": "all",
     },
 }
 

@@ -77,7 +77,8 @@ def collect_report(env: JobEnv, device: torch.device) -> RankReport:
 
     cuda = torch.version.cuda or "-"
     nccl = "-"
-    if torch.cuda.is_available() and hasattr(torch.cuda, "nccl"):
+    # what torch was built with, GPU or not: a CPU-only node reports the cuda image's versions
+    if torch.version.cuda and hasattr(torch.cuda, "nccl"):
         nccl = ".".join(str(part) for part in torch.cuda.nccl.version())
     return RankReport(
         rank=env.rank,

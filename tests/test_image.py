@@ -55,14 +55,27 @@ def test_build_args_for_cpu_keep_the_dockerfile_defaults():
                     "SOURCE_DIGEST": "abc", "KEEP_EXTRA_CA": "0"}
 
 
-def test_build_args_for_cuda_switch_base_python_and_index():
+def test_build_args_for_cuda_keep_the_base_and_take_pypis_torch():
     args = ic.build_args(flavor="cuda", identity="ddp:0.1.0+cuda",
                          torch_index_url=ic.torch_index_for("cuda", False), source_digest="x",
-                         extra={"CUDA_VERSION": "12.9"})
-    assert args["BASE_IMAGE"].startswith("nvidia/cuda:")
-    assert args["PYTHON_VERSION"] == "3.12"
-    assert args["TORCH_INDEX_URL"] == "https://download.pytorch.org/whl/cu128"
-    assert args["CUDA_VERSION"] == "12.9"  # extra overrides the flavor's default
+                         extra={"CUDA_VERSION": "13.1"})
+    assert "BASE_IMAGE" not in args and "PYTHON_VERSION" not in args  # the Debian base
+    assert args["TORCH_INDEX_URL"] == ""  # PyPI's default torch is the CUDA build
+    assert args["NCCL_VERSION"] and args["CUDNN_VERSION"]
+    assert args["NVIDIA_VISIBLE_DEVICES"] == "all"
+    assert args["CUDA_VERSION"] == "13.1"  # extra overrides the flavor's default
+
+
+def test_a_cuda_build_leaves_cpu_torch_wheels_out(tmp_path):
+    wheelhouse = tmp_path / "wheels"
+    wheelhouse.mkdir()
+    for name in ("torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl",
+                 "numpy-2.4.6-cp311-cp311-manylinux_2_28_x86_64.whl"):
+        (wheelhouse / name).write_bytes(b"")
+    for flavor, expected in (("cpu", 2), ("cuda", 1)):
+        inputs = image_tasks.stage_build_inputs(str(wheelhouse), "", root=tmp_path,
+                                                flavor=flavor)
+        assert len(list((inputs / "wheelhouse").iterdir())) == expected
 
 
 def test_a_wheelhouse_with_torch_replaces_the_torch_index():
