@@ -24,8 +24,8 @@ import torch.distributed as dist
 from launcher import mpi_library
 from launcher.backends import BACKEND_CHOICES
 from launcher.env import JobEnv, detect_environment
-from launcher.errors import LaunchError, RankFailed, report_and_exit
-from launcher.failfast import end_process
+from launcher.errors import LaunchError
+from launcher.job import exit_statuses
 from launcher.process_group import DistContext, process_group
 
 EXIT_CHECK_FAILED = 1
@@ -264,8 +264,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    env = None
-    try:
+    with exit_statuses():
         env = detect_environment()
         backends = [b.strip() for b in args.backend.split(",") if b.strip()]
         unknown = [b for b in backends if b not in BACKEND_CHOICES]
@@ -273,11 +272,6 @@ def main(argv: list[str] | None = None) -> int:
             raise LaunchError(f"unknown backend {', '.join(unknown) or '(none)'} in --backend",
                               hint=f"use one or more of: {', '.join(BACKEND_CHOICES)}")
         return run_check(env, backends, args.timeout, args.json)
-    except LaunchError as error:
-        report_and_exit(error, env.rank if env else None)
-    except RankFailed as failed:  # reported here and to every other rank already
-        end_process(failed.status)
-    return 2
 
 
 if __name__ == "__main__":

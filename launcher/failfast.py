@@ -138,10 +138,8 @@ class StoreChannel:
         with quiet_c10d(), contextlib.suppress(dist.DistError):
             self._store.compare_set(f"{self._KEY}/{self._env.rank}", "", self._DONE)
             self._store.add(self._CLOSED, 1)
-            deadline = time.monotonic() + ACK_WAIT_S
-            while (self._env.is_main and time.monotonic() < deadline
-                   and self._store.add(self._CLOSED, 0) < self._env.world_size):
-                time.sleep(0.01)
+            if self._env.is_main:
+                _wait_until(lambda: self._store.add(self._CLOSED, 0) >= self._env.world_size)
 
 
 class MpiChannel:
@@ -240,10 +238,7 @@ class Watchdog:
         return notice.status
 
     def _wait_for_acks(self) -> None:
-        deadline = time.monotonic() + ACK_WAIT_S
-        while (self._channel.acknowledged() < self._env.world_size - 1
-               and time.monotonic() < deadline):
-            time.sleep(0.02)
+        _wait_until(lambda: self._channel.acknowledged() >= self._env.world_size - 1)
 
     def close(self) -> None:
         """Stop watching (after a run every rank finished)."""
@@ -251,6 +246,13 @@ class Watchdog:
             return
         self._channel.close()
         self._thread.join(timeout=5)
+
+
+def _wait_until(done, seconds: float = ACK_WAIT_S) -> None:
+    """Poll ``done()`` until it is true or ``seconds`` have passed."""
+    deadline = time.monotonic() + seconds
+    while not done() and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def _tell_torchrun(exc: BaseException) -> None:

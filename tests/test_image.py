@@ -18,7 +18,7 @@ from ddp_tasks import image as image_tasks
 from ddp_tasks import image_commands as ic
 from launcher import __version__
 from launcher.errors import LaunchError
-from tests.fixtures.docker import COLD_BUILD_TIMEOUT, HOST_CA_BUNDLE
+from tests.fixtures.docker import COLD_BUILD_TIMEOUT, host_ca_bundle
 
 # ------------------------------------------------------------------------------ pure builders
 
@@ -259,12 +259,8 @@ def test_a_cpu_build_that_would_get_cuda_torch_stops_with_a_hint(dockerd, base_i
     log = io.StringIO()
     with pytest.raises(LaunchError, match="image build failed"):
         image_tasks.build_image(flavor="cpu", name="ddp-guard", base_image=base_image,
-                                wheelhouse=str(wheelhouse), ca_bundle=_host_bundle(), out=log)
+                                wheelhouse=str(wheelhouse), ca_bundle=host_ca_bundle(), out=log)
     text = log.getvalue()
     assert "error: the cpu flavor got torch 2.13.0 built for CUDA 13.0" in text, text
     assert "HINT: pip download --no-deps torch==2.13.0 --index-url" in text, text
     assert not image_tasks.image_exists(dockerd, "ddp-guard:cpu")
-
-
-def _host_bundle() -> str:
-    return str(HOST_CA_BUNDLE) if HOST_CA_BUNDLE.is_file() else ""
