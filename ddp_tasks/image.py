@@ -136,7 +136,7 @@ def stage_build_inputs(wheelhouse: str, ca_bundle: str, root: Path = ic.ROOT,
                           hint="create it with `pip download --no-deps torch==VERSION -d DIR` "
                                "or leave --wheelhouse out")
     for wheel in sorted(source.glob("*.whl")) if source else []:
-        if flavor != "cpu" and wheel.name.startswith("torch-") and "+cpu" in wheel.name:
+        if not ic.wheel_fits(flavor, wheel.name):
             continue
         target = inputs / "wheelhouse" / wheel.name
         try:

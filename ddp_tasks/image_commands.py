@@ -52,8 +52,8 @@ FLAVOR_ARGS = {
 
 _ARG_RE = re.compile(r'^ARG\s+([A-Za-z_][A-Za-z0-9_]*)(?:=("[^"]*"|\S*))?\s*$')
 # files whose content decides the image: a change here means the image must be rebuilt
-_SOURCE_GLOBS = ("docker/Dockerfile", ".dockerignore", "pyproject.toml", "launcher/**/*.py",
-                 f"{BUILD_INPUTS}/**/*")
+_SOURCE_GLOBS = ("docker/Dockerfile", "docker/lock-*.txt", ".dockerignore", "pyproject.toml",
+                 "launcher/**/*.py", f"{BUILD_INPUTS}/**/*")
 
 
 def dockerfile_args(text: str) -> dict[str, str]:
@@ -129,6 +129,12 @@ def torch_index_for(flavor: str, wheelhouse_has_torch: bool) -> str:
     with torch in it replaces the index instead of adding to it.
     """
     return "" if wheelhouse_has_torch else TORCH_INDEX[flavor]
+
+
+def wheel_fits(flavor: str, filename: str) -> bool:
+    """Whether a wheelhouse file may be offered to pip for FLAVOR: a CPU torch wheel never is
+    for cuda, since ``torch==X`` matches ``X+cpu`` and pip prefers that local version."""
+    return flavor == "cpu" or not (filename.startswith("torch-") and "+cpu" in filename)
 
 
 def source_digest(root: Path = ROOT) -> str:

@@ -32,9 +32,9 @@ from ddp_tasks.commands import (
     with_resume,
 )
 from launcher.errors import EXIT_PREEMPTED, EXIT_USER_ERROR, LaunchError
+from tests.fixtures.golden import GOLDEN, golden
 
 ROOT = Path(__file__).resolve().parent.parent
-GOLDEN = Path(__file__).resolve().parent / "golden"
 INVOKE = Path(sys.executable).parent / "invoke"
 
 RUN_CASES = {
@@ -113,13 +113,6 @@ SBATCH_LAUNCH = Launch(nodes=2, procs_per_node=4, launcher="srun", gpus_per_node
                        args=("--resume", "auto", "--epochs", "3"),
                        env=program_env("USR2", omp_threads=8))
 SBATCH_BATCH = Batch(time="02:00:00", partition="gpu", account="proj42", signal="USR2")
-
-
-def golden(name: str, text: str) -> None:
-    path = GOLDEN / name
-    if os.environ.get("UPDATE_GOLDEN"):
-        path.write_text(text)
-    assert text == path.read_text(), f"{path} differs; UPDATE_GOLDEN=1 rewrites it"
 
 
 def invoke(*argv: str, cwd: Path = ROOT, **env: str):

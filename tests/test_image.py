@@ -18,7 +18,7 @@ from ddp_tasks import image as image_tasks
 from ddp_tasks import image_commands as ic
 from launcher import __version__
 from launcher.errors import LaunchError
-from tests.fixtures.docker import COLD_BUILD_TIMEOUT, host_ca_bundle
+from tests.fixtures.docker import COLD_BUILD_TIMEOUT, assert_holds_its_lock, host_ca_bundle
 
 # ------------------------------------------------------------------------------ pure builders
 
@@ -250,17 +250,29 @@ def _stand_in_torch_wheel(directory: Path, local: str, cuda: str | None) -> Path
 
 
 @docker_test
-def test_a_cpu_build_that_would_get_cuda_torch_stops_with_a_hint(dockerd, base_image, tmp_path):
-    """The trap of a closed network: no CPU index, no CPU wheel, and pip takes PyPI's CUDA torch
-    for the cpu flavor without a word (a 5 GB image labelled cpu). A stand-in torch that says
-    it was built for CUDA plays PyPI's: the build stops at it, and tags nothing."""
+@pytest.mark.parametrize("local, cuda", [("cu130", "13.0"), ("cpu", None)],
+                         ids=["only-pypis-cuda-torch", "a-cpu-wheel-the-lock-does-not-know"])
+def test_a_cpu_build_without_the_locked_torch_stops_with_a_hint(dockerd, base_image, tmp_path,
+                                                                local, cuda):
+    """The trap of a closed network: no CPU index, no CPU wheel, and pip would take PyPI's CUDA
+    torch for the cpu flavor without a word (a 5 GB image labelled cpu). The lock names the
+    +cpu build and its hash: a stand-in CUDA torch (playing PyPI's) is never taken, a stand-in
+    +cpu wheel is refused by its hash; the build stops at it with the fix, and tags nothing."""
     wheelhouse = tmp_path / "wheelhouse"
-    _stand_in_torch_wheel(wheelhouse, "cu130", "13.0")
+    _stand_in_torch_wheel(wheelhouse, local, cuda)
     log = io.StringIO()
     with pytest.raises(LaunchError, match="image build failed"):
         image_tasks.build_image(flavor="cpu", name="ddp-guard", base_image=base_image,
                                 wheelhouse=str(wheelhouse), ca_bundle=host_ca_bundle(), out=log)
     text = log.getvalue()
-    assert "error: the cpu flavor got torch 2.13.0 built for CUDA 13.0" in text, text
-    assert "HINT: pip download --no-deps torch==2.13.0 --index-url" in text, text
+    version = ic.pins()["TORCH_VERSION"]
+    assert f"error: pip could not install the locked torch=={version}+cpu for the cpu " \
+           "flavor" in text, text
+    assert f"HINT: pip download --no-deps torch=={version} --index-url" in text, text
     assert not image_tasks.image_exists(dockerd, "ddp-guard:cpu")
+
+
+@docker_test
+def test_the_image_holds_exactly_its_lock(cpu_image, run_in_image):
+    """Two builds of one commit have one `pip freeze`: the lock's."""
+    assert_holds_its_lock(cpu_image, "cpu", run_in_image)

@@ -11,7 +11,7 @@ import pytest
 
 from ddp_tasks import image_commands as ic
 from launcher import __version__
-from tests.fixtures.docker import COLD_BUILD_TIMEOUT
+from tests.fixtures.docker import COLD_BUILD_TIMEOUT, assert_holds_its_lock
 
 pytestmark = [pytest.mark.docker, pytest.mark.timeout(2 * COLD_BUILD_TIMEOUT)]
 
@@ -41,3 +41,8 @@ def test_labels_environment_and_nothing_ranks_do_not_run(cuda_image, dockerd, ru
               "find $site/nvidia -name include -o -name '*.a' | head -3; echo END")
     status, output = run_in_image(cuda_image, ["bash", "-c", script])
     assert status == 0 and output.strip() == "END", output
+
+
+def test_the_image_holds_exactly_its_lock(cuda_image, run_in_image):
+    """Every CUDA wheel included: two builds of one commit have one `pip freeze`."""
+    assert_holds_its_lock(cuda_image, "cuda", run_in_image)

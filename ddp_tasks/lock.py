@@ -1,0 +1,123 @@
+"""``invoke lock``: resolve every Python package of a flavor's image and write its lock file.
+
+pip resolves inside the Dockerfile's ``python`` stage (the base image's CPython, the venv's pip,
+the image's platform), with ``--dry-run --report``: nothing is installed, and wheels with
+published metadata are not even downloaded. The text comes from ``ddp_tasks.lock_file``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from invoke import task
+
+from ddp_tasks import image_commands as ic
+from ddp_tasks import lock_file
+from ddp_tasks.image import docker_client, stream_build, user_errors
+from launcher.errors import LaunchError
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the same parser, from PyPI (the tasks extra)
+    import tomli as tomllib
+
+
+def _wheelhouse_for(flavor: str, wheelhouse: Path | None, into: Path) -> bool:
+    """Link WHEELHOUSE's wheels that fit FLAVOR into INTO; whether torch is among them."""
+    into.mkdir()
+    for wheel in sorted(wheelhouse.glob("*.whl")) if wheelhouse else []:
+        if ic.wheel_fits(flavor, wheel.name):
+            shutil.copy2(wheel, into / wheel.name)
+    return any(into.glob("torch-*.whl"))
+
+
+def make_lock(*, flavor: str = "cpu", base_image: str = "",
+              wheelhouse: str = ic.DEFAULT_WHEELHOUSE, ca_bundle: str = "",
+              out=sys.stdout) -> Path:
+    """Resolve FLAVOR's packages in the python stage and write ``docker/lock-FLAVOR.txt``."""
+    pins = ic.pins()
+    dependencies = tomllib.loads((ic.ROOT / "pyproject.toml").read_text())["project"][
+        "dependencies"]
+    wanted = lock_file.requests(flavor, pins, dependencies)
+    client = docker_client()
+    print(f"building the python stage of docker/Dockerfile on {base_image or 'its default base'}",
+          file=out, flush=True)
+    image = stream_build(client, out=out, path=str(ic.ROOT), dockerfile="docker/Dockerfile",
+                         target="python",
+                         buildargs={"BASE_IMAGE": base_image} if base_image else {})
+    with tempfile.TemporaryDirectory(prefix="ddp-lock-") as tmp:
+        work = Path(tmp)
+        (work / "out").mkdir()
+        source = ic.ROOT / wheelhouse if wheelhouse else None
+        has_torch = _wheelhouse_for(flavor, source if source and source.is_dir() else None,
+                                    work / "wheelhouse")
+        environment = {"HOME": "/tmp", "PIP_NO_CACHE_DIR": "1",
+                       "PIP_DISABLE_PIP_VERSION_CHECK": "1", "PIP_FIND_LINKS": "/wheelhouse"}
+        index = ic.torch_index_for(flavor, has_torch)
+        if index:
+            environment["PIP_EXTRA_INDEX_URL"] = index
+        volumes = {str(work / "out"): {"bind": "/out", "mode": "rw"},
+                   str(work / "wheelhouse"): {"bind": "/wheelhouse", "mode": "ro"}}
+        if ca_bundle:
+            if not Path(ca_bundle).is_file():
+                raise LaunchError(f"CA bundle {ca_bundle} does not exist",
+                                  hint="give the full bundle your host trusts, e.g. "
+                                       "/etc/ssl/certs/ca-certificates.crt")
+            volumes[str(Path(ca_bundle).resolve())] = {"bind": "/tmp/ca.crt", "mode": "ro"}
+            environment["PIP_CERT"] = "/tmp/ca.crt"
+        script = lock_file.resolver_script(wanted, f"mpi4py=={pins['MPI4PY_VERSION']}")
+        print(f"resolving in {image.removeprefix('sha256:')[:12]}:\n{script}", file=out, flush=True)
+        container = client.containers.run(
+            image, ["bash", "-c", script], detach=True, environment=environment,
+            volumes=volumes, user=f"{os.getuid()}:{os.getgid()}")
+        try:
+            for chunk in container.logs(stream=True, follow=True):
+                out.write(chunk.decode(errors="replace"))
+            status = container.wait(timeout=1800)["StatusCode"]
+        finally:
+            container.remove(force=True)
+        if status != 0:
+            raise LaunchError(f"pip could not resolve the {flavor} flavor (exit {status})",
+                              hint="pip's reason is above; behind a TLS-intercepting proxy "
+                                   "pass --ca-bundle, on a closed network put the wheels in "
+                                   "--wheelhouse")
+        reports = {name: json.loads((work / "out" / f"{name}.json").read_text())
+                   for name in wanted}
+        sdist = next((work / "out" / "sdist").iterdir())
+        text = lock_file.lock_text(
+            flavor, reports, {"mpi4py": hashlib.sha256(sdist.read_bytes()).hexdigest()})
+    problems = lock_file.disagreements(flavor, text, pins)
+    if problems:
+        raise LaunchError(f"the resolved {flavor} packages contradict the pins: "
+                          + "; ".join(problems),
+                          hint="torch requires these versions: update FLAVOR_ARGS in "
+                               "ddp_tasks/image_commands.py or the ARGs in docker/Dockerfile")
+    path = lock_file.lock_path(flavor)
+    path.write_text(text)
+    count = sum(len(s) for s in lock_file.parse(text).values())
+    print(f"wrote {path.relative_to(ic.ROOT)}: {count} packages", file=out, flush=True)
+    return path
+
+
+@task(help={
+    "flavor": "cpu or cuda: the image whose packages to lock (default cpu)",
+    "base_image": "base image of the python stage, as for `invoke build` (default "
+                  "debian:bookworm-slim)",
+    "wheelhouse": f"directory of wheels pip may take, e.g. the CPU torch wheel (default "
+                  f"{ic.DEFAULT_WHEELHOUSE}/ when it exists)",
+    "ca_bundle": "full CA bundle pip trusts, for TLS-intercepting proxies (default: $PIP_CERT)",
+})
+def lock(c, flavor="cpu", base_image="", wheelhouse=ic.DEFAULT_WHEELHOUSE, ca_bundle=""):
+    """Write docker/lock-FLAVOR.txt: every package of the image, pinned with its hash."""
+    with user_errors():
+        make_lock(flavor=flavor, base_image=base_image, wheelhouse=wheelhouse,
+                  ca_bundle=ca_bundle or os.environ.get("PIP_CERT", ""))
+
+
+TASKS = [lock]
