@@ -39,8 +39,9 @@ def _wheelhouse_for(flavor: str, wheelhouse: Path | None, into: Path) -> bool:
 
 def make_lock(*, flavor: str = "cpu", base_image: str = "",
               wheelhouse: str = ic.DEFAULT_WHEELHOUSE, ca_bundle: str = "",
-              out=sys.stdout) -> Path:
-    """Resolve FLAVOR's packages in the python stage and write ``docker/lock-FLAVOR.txt``."""
+              output: Path | None = None, out=sys.stdout) -> Path:
+    """Resolve FLAVOR's packages in the python stage and write OUTPUT (default
+    ``docker/lock-FLAVOR.txt``)."""
     pins = ic.pins()
     dependencies = tomllib.loads((ic.ROOT / "pyproject.toml").read_text())["project"][
         "dependencies"]
@@ -98,10 +99,10 @@ def make_lock(*, flavor: str = "cpu", base_image: str = "",
                           + "; ".join(problems),
                           hint="torch requires these versions: update FLAVOR_ARGS in "
                                "ddp_tasks/image_commands.py or the ARGs in docker/Dockerfile")
-    path = lock_file.lock_path(flavor)
+    path = output or lock_file.lock_path(flavor)
     path.write_text(text)
     count = sum(len(s) for s in lock_file.parse(text).values())
-    print(f"wrote {path.relative_to(ic.ROOT)}: {count} packages", file=out, flush=True)
+    print(f"wrote {path}: {count} packages", file=out, flush=True)
     return path
 
 

@@ -5,13 +5,18 @@ The image tests prove the other half: the built image's ``pip freeze`` is its lo
 
 from __future__ import annotations
 
+import io
+import re
+
 import pytest
 import tomllib
 from packaging.requirements import Requirement
 
 from ddp_tasks import image_commands as ic
+from ddp_tasks import lock as lock_tasks
 from ddp_tasks import lock_file
 from launcher.errors import LaunchError
+from tests.fixtures.docker import ensure_torch_wheel, host_ca_bundle
 from tests.fixtures.golden import golden
 
 PINS = ic.pins()
@@ -113,3 +118,22 @@ def test_the_committed_lock_satisfies_the_project_and_its_torch(flavor):
     assert ("+cpu" in locked["torch"]) == (flavor == "cpu")
     assert any(name.startswith("nvidia-") for name in locked) == (flavor == "cuda")
     assert set(sections) == set(lock_file.SECTIONS)
+
+
+@pytest.mark.docker
+def test_invoke_lock_resolves_in_the_python_stage(dockerd, base_image, tmp_path):
+    """The task for real: pip in the build's python stage, the CPU wheel from the wheelhouse.
+    Not compared with the committed file: what the pins leave free moves on PyPI."""
+    ensure_torch_wheel(ic.ROOT / ic.DEFAULT_WHEELHOUSE)
+    output = tmp_path / "lock-cpu.txt"
+    log = io.StringIO()
+    lock_tasks.make_lock(flavor="cpu", base_image=base_image, ca_bundle=host_ca_bundle(),
+                         output=output, out=log)
+    text = output.read_text()
+    assert lock_file.disagreements("cpu", text, PINS) == []
+    sections = lock_file.parse(text)
+    assert set(sections) == set(lock_file.SECTIONS)
+    assert "filelock" in sections["torch"] and "joblib" in sections["project"]
+    # the wheel and the sdist the build compiles the MPI-5 ABI extension from
+    assert len(re.findall(r"--hash=sha256:", text.split("mpi4py==")[1].splitlines()[0])) == 2
+    assert f"wrote {output}: " in log.getvalue()
