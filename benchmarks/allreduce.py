@@ -8,7 +8,14 @@ from 4 KiB to 64 MiB. Each call is timed on its own, after a barrier, and counts
 its slowest rank took; the three contenders take turns in several rounds so that load from
 other processes falls on all of them alike. The table shows the median call and, beside it,
 the best call: on a busy machine the best is the steadier estimate of what the code costs.
-Bandwidth is algorithm bandwidth (bytes reduced per second of one all_reduce).
+Bandwidth is algorithm bandwidth (bytes reduced per second of one all_reduce) and bus
+bandwidth as nccl-tests define it, busbw = algbw x 2(n-1)/n: what each rank's link carries in a
+ring all_reduce, comparable with the link itself.
+
+The physical floor, measured in the same run: the link's one-way bandwidth (the best half round
+trip of a 64 MiB raw MPI ping-pong between ranks 0 and 1: shared memory on one node, the network
+across nodes) and one core's memory copy bandwidth (numpy, 64 MiB). No all_reduce of S bytes
+over n ranks can take less than 2(n-1)/n x S / link; "vs link" = busbw / link, 1.0 at the floor.
 
 A second table times the all_reduce as training meets it: the ranks compute between calls
 (float32 matrix products on one torch thread each, about a CNN step's worth: 20 units on
@@ -47,6 +54,8 @@ BUSY_BYTES = 4 * sum(p.numel() for p in cnn().parameters())
 #: one unit of compute between busy calls: a 256 x 256 matrix product, ~0.4 ms on one core
 BUSY_UNIT = 256
 CONTENDERS = ("mpi4py", "gloo", "raw")
+#: the message of the floor measurements: large enough that latency is noise
+FLOOR_BYTES = 64 << 20
 
 
 def parse_args() -> argparse.Namespace:
@@ -116,15 +125,48 @@ def allreduce_ops(nbytes: int, gloo, ours) -> dict:
     }
 
 
-def allreduce_table(gloo, ours, args) -> list[dict]:
+def bus_factor(ranks: int) -> float:
+    """busbw / algbw of an all_reduce (nccl-tests): the share of the data each link carries."""
+    return 2 * (ranks - 1) / ranks
+
+
+def floor(args) -> dict[str, float]:
+    """The physical limits in GB/s: the link between ranks 0 and 1 (one way) and memcpy."""
+    buffer = np.zeros(FLOOR_BYTES // 4, dtype=np.float32)
+
+    def pingpong():
+        if COMM.rank == 0:
+            COMM.Send(buffer, dest=1)
+            COMM.Recv(buffer, source=1)
+        elif COMM.rank == 1:
+            COMM.Recv(buffer, source=0)
+            COMM.Send(buffer, dest=0)
+
+    round_trip = measure({"link": pingpong}, args)["link"]
+    source, target = np.ones_like(buffer), np.empty_like(buffer)
+    copies = []
+    for _ in range(10):
+        start = time.perf_counter()
+        np.copyto(target, source)
+        copies.append(time.perf_counter() - start)
+    return {"link_GBps": 2 * FLOOR_BYTES / round_trip["best"] / 1e9,
+            "link_median_GBps": 2 * FLOOR_BYTES / round_trip["median"] / 1e9,
+            "memcpy_GBps": FLOOR_BYTES / min(copies) / 1e9}
+
+
+def allreduce_table(gloo, ours, args, link_GBps: float) -> list[dict]:
     rows = []
     for nbytes in SIZES:
         stats = measure(allreduce_ops(nbytes, gloo, ours), args)
-        row = {"bytes": nbytes}
+        row = {"bytes": nbytes,
+               "floor_us": bus_factor(COMM.size) * nbytes / link_GBps / 1e3}
         for name in CONTENDERS:
             for stat in ("median", "best"):
                 row[f"{name}_{stat}_us"] = stats[name][stat] * 1e6
                 row[f"{name}_{stat}_GBps"] = nbytes / stats[name][stat] / 1e9
+                row[f"{name}_{stat}_busGBps"] = row[f"{name}_{stat}_GBps"] * bus_factor(
+                    COMM.size)
+                row[f"{name}_vs_link_{stat}"] = row[f"{name}_{stat}_busGBps"] / link_GBps
             row[f"{name}_calls"] = stats[name]["calls"]
         for stat in ("median", "best"):
             mine = stats["mpi4py"][stat]
@@ -187,21 +229,25 @@ def human(nbytes: int) -> str:
     return f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB"
 
 
-def print_table(rows: list[dict], latency: dict, busy: dict) -> None:
+def print_table(rows: list[dict], latency: dict, busy: dict, limits: dict) -> None:
+    print(f"floor: link {limits['link_GBps']:.2f} GB/s one way (64 MiB ping-pong, ranks 0-1), "
+          f"memcpy {limits['memcpy_GBps']:.2f} GB/s (one core)")
     print(f"all_reduce float32, {COMM.size} ranks: median (best) microseconds per call, "
-          f"GB/s of the median")
-    header = (f"{'size':>6} | {'mpi4py':>17} {'GB/s':>5} | {'gloo':>17} {'GB/s':>5} | "
-              f"{'raw mpi4py':>17} {'GB/s':>5} | {'vs raw':>11} | {'vs gloo':>13}")
+          f"bus GB/s of the median")
+    header = (f"{'size':>6} | {'floor us':>8} | {'mpi4py':>17} {'busbw':>5} | "
+              f"{'gloo':>17} {'busbw':>5} | {'raw mpi4py':>17} {'busbw':>5} | "
+              f"{'vs link':>7} | {'vs raw':>11} | {'vs gloo':>13}")
     print(header)
     print("-" * len(header))
     for r in rows:
         cells = [f"{r[f'{n}_median_us']:>8.1f} ({r[f'{n}_best_us']:>6.1f}) "
-                 f"{r[f'{n}_median_GBps']:>5.2f}" for n in CONTENDERS]
-        print(f"{human(r['bytes']):>6} | " + " | ".join(cells)
+                 f"{r[f'{n}_median_busGBps']:>5.2f}" for n in CONTENDERS]
+        print(f"{human(r['bytes']):>6} | {r['floor_us']:>8.1f} | " + " | ".join(cells)
+              + f" | {r['mpi4py_vs_link_median']:>7.2f}"
               + f" | {r['vs_raw_median']:>4.2f} ({r['vs_raw_best']:>4.2f})"
               + f" | {r['vs_gloo_median']:>5.1f}x ({r['vs_gloo_best']:>4.1f}x)")
-    print("vs raw = raw time / mpi4py time (1.0 = as fast as raw mpi4py); "
-          "vs gloo = gloo time / mpi4py time (> 1 = mpi4py faster)")
+    print("vs link = mpi4py busbw / link (1.0 = at the floor); vs raw = raw time / mpi4py time "
+          "(1.0 = as fast as raw mpi4py); vs gloo = gloo time / mpi4py time (> 1 = faster)")
     print("\nping-pong, 4 bytes, half round trip, median (best) us: "
           + ", ".join(f"{n} {latency[n]['median'] / 2 * 1e6:.1f} "
                       f"({latency[n]['best'] / 2 * 1e6:.1f})" for n in CONTENDERS))
@@ -212,18 +258,34 @@ def print_table(rows: list[dict], latency: dict, busy: dict) -> None:
                                       for k in ("mean", "median", "p90", "best")))
 
 
+def _plot_if_possible(path: Path) -> None:
+    """The PNG beside the JSON where matplotlib is installed (the dev venv; not the image, where
+    benchmarks/cluster.py draws it on the host instead)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return
+    from benchmarks import plots
+
+    print(f"wrote {plots.allreduce(json.loads(path.read_text()), path)}")
+
+
 def main() -> None:
     args = parse_args()
     gloo, ours = init_groups()
-    rows = allreduce_table(gloo, ours, args)
+    limits = floor(args)
+    rows = allreduce_table(gloo, ours, args, limits["link_GBps"])
     latency = measure(pingpong_ops(gloo, ours), args)
     busy = busy_allreduce(gloo, ours, args)
+    hosts = COMM.gather(socket.gethostname())
     if COMM.rank == 0:
-        print_table(rows, latency, busy)
+        print_table(rows, latency, busy, limits)
         if args.json:
             args.json.write_text(json.dumps({
                 "command": " ".join(sys.argv),
                 "world_size": COMM.size,
+                "nodes": len(set(hosts)),
+                "floor": limits,
                 "mpi_library": MPI.Get_library_version().splitlines()[0].strip(),
                 "mpi4py_thread_level": MPI.Query_thread(),
                 "torch": torch.__version__,
@@ -236,6 +298,7 @@ def main() -> None:
                 "busy_allreduce_after_last_arrival_us": {
                     n: {k: v * 1e6 for k, v in busy[n].items()} for n in CONTENDERS},
             }, indent=2) + "\n")
+            _plot_if_possible(args.json)
     dist.destroy_process_group()
 
 

@@ -278,6 +278,12 @@ def main() -> None:
                                          "cpus": os.cpu_count(), "cpu": cpu_topology(),
                                          "load_average": load},
                                         indent=2) + "\n")
+        from benchmarks import plots
+
+        bars = [{"label": f"{backend}, 2 ranks", "efficiency": m["median_efficiency"],
+                 "goal": 0.8} for backend, m in results["weak_summary"].items()]
+        title = "Weak scaling, CNN, DDP (median of rounds)"
+        print(f"wrote {plots.scaling(bars, title, args.json)}")
 
 
 if __name__ == "__main__":

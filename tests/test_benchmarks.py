@@ -24,8 +24,15 @@ def test_allreduce_benchmark_writes_every_table(tmp_path):
     assert result.returncode == 0, result.output
     report = json.loads(out.read_text())
     assert [row["bytes"] for row in report["allreduce"]] == [4 << 10 << 2 * i for i in range(8)]
+    floor = report["floor"]
+    assert 0 < floor["link_median_GBps"] <= floor["link_GBps"] and floor["memcpy_GBps"] > 0
     for row in report["allreduce"]:
         assert row["vs_raw_median"] > 0 and row["vs_gloo_median"] > 0
+        # 2 ranks: busbw = algbw x 2(n-1)/n = algbw, and the floor moves the whole buffer
+        assert row["mpi4py_median_busGBps"] == pytest.approx(row["mpi4py_median_GBps"])
+        assert row["floor_us"] == pytest.approx(row["bytes"] / floor["link_GBps"] / 1e3)
+    # the plot beside the JSON (matplotlib is in the dev extra)
+    assert out.with_suffix(".png").read_bytes().startswith(b"\x89PNG")
     busy = report["busy_allreduce_after_last_arrival_us"]
     assert set(busy) == {"mpi4py", "gloo", "raw"}
     for stats in busy.values():
@@ -57,6 +64,7 @@ def test_train_scaling_benchmark_splits_weak_scaling_and_measures_the_broadcast(
     assert sum(r["model"] == "cnn" for r in report["runs"]) == 10
     assert set(report["weak_step_breakdown"]) == {"1 rank", "2 ranks gloo", "2 ranks mpi"}
     assert "= machine" in result.stdout and "Where a step goes" in result.stdout
+    assert out.with_suffix(".png").read_bytes().startswith(b"\x89PNG")
 
 
 @pytest.mark.runtime

@@ -1,0 +1,95 @@
+"""PNG plots of the benchmarks' JSON, drawn on the host (matplotlib: the dev extra).
+
+    .venv/bin/python benchmarks/plots.py benchmarks/results/allreduce.json [...]
+
+Each JSON gets a PNG of the same name beside it: an all_reduce result (benchmarks/allreduce.py,
+also run across nodes by benchmarks/cluster.py) as bus bandwidth against message size with the
+link's floor; a weak-scaling result (benchmarks/train_scaling.py, cluster.py) as bars.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+SERIES = {"mpi4py": "mpi backend (mpi4py)", "gloo": "gloo", "raw": "raw mpi4py Allreduce"}
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def allreduce(result: dict, path: Path) -> Path:
+    """Bus bandwidth of each contender against the size, and the link (the floor) as a line."""
+    plt = _pyplot()
+    rows = result["allreduce"]
+    sizes = [row["bytes"] for row in rows]
+    figure, axes = plt.subplots(figsize=(8.5, 4))
+    for name, label in SERIES.items():
+        axes.plot(sizes, [row[f"{name}_median_busGBps"] for row in rows], marker="o",
+                  label=label)
+    link = result["floor"]["link_GBps"]
+    axes.axhline(link, color="black", linestyle="--",
+                 label=f"link, one way ({link:.2f} GB/s): the floor")
+    axes.set_xscale("log", base=2)
+    axes.set_xticks(sizes, [f"{s >> 20} MiB" if s >= 1 << 20 else f"{s >> 10} KiB"
+                            for s in sizes], rotation=30)
+    axes.set_xlabel("all_reduce message (float32)")
+    axes.set_ylabel("bus bandwidth of the median call (GB/s)")
+    nodes = result.get("nodes", 1)
+    axes.set_title(f"all_reduce, {result['world_size']} ranks on {nodes} "
+                   f"node{'s' if nodes > 1 else ''}")
+    axes.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1))
+    axes.grid(alpha=0.3)
+    figure.tight_layout()
+    out = path.with_suffix(".png")
+    figure.savefig(out, dpi=110)
+    plt.close(figure)
+    return out
+
+
+def scaling(rows: list[dict], title: str, path: Path) -> Path:
+    """Weak-scaling efficiency per backend as bars, with the goal as a line.
+
+    ROWS: ``{"label": ..., "efficiency": ..., "goal": ...}``, one bar each."""
+    plt = _pyplot()
+    figure, axes = plt.subplots(figsize=(5.5, 3.5))
+    bars = axes.bar([row["label"] for row in rows], [row["efficiency"] for row in rows],
+                    color=["tab:blue" if "mpi" in row["label"] else "tab:orange" for row in rows])
+    axes.bar_label(bars, fmt="%.2f")
+    goals = {row["goal"] for row in rows if row.get("goal")}
+    for goal in goals:
+        axes.axhline(goal, color="black", linestyle="--", label=f"goal {goal}")
+    axes.set_ylim(0, 1.1)
+    axes.set_ylabel("weak-scaling efficiency")
+    axes.set_title(title)
+    if goals:
+        axes.legend(fontsize="small")
+    figure.tight_layout()
+    out = path.with_suffix(".png")
+    figure.savefig(out, dpi=110)
+    plt.close(figure)
+    return out
+
+
+def main(paths: list[str]) -> int:
+    for name in paths:
+        path = Path(name)
+        result = json.loads(path.read_text())
+        if "allreduce" in result and isinstance(result["allreduce"], list):
+            print(f"wrote {allreduce(result, path)}")
+        else:
+            print(f"{path}: not an all_reduce result; scaling plots are written by their "
+                  "benchmark", file=sys.stderr)
+            return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
