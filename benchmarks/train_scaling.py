@@ -45,6 +45,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # benchmarks.plots, as the ranks import this module's specs
 MPIEXEC = Path(sys.executable).parent / "mpiexec"
 WARMUP_INTERVALS = 2
 #: the CNN with buffers broadcast before every forward, as a --model spec each rank imports
