@@ -119,6 +119,14 @@ def base(c, tag=ic.DEFAULT_BASE_TAG, suite="bookworm", mirror=ic.DEBIAN_MIRROR):
 
 # --------------------------------------------------------------------------------------- build
 
+def link_or_copy(source: Path, target: Path) -> None:
+    """A hard link (wheels are hundreds of MB), or a copy across filesystems."""
+    try:
+        target.hardlink_to(source)
+    except OSError:
+        shutil.copy2(source, target)
+
+
 def stage_build_inputs(wheelhouse: str, ca_bundle: str, root: Path = ic.ROOT,
                        flavor: str = "cpu") -> Path:
     """Fill ``.build-inputs/`` in the context: links to the wheels, a copy of the CA bundle.
@@ -138,11 +146,7 @@ def stage_build_inputs(wheelhouse: str, ca_bundle: str, root: Path = ic.ROOT,
     for wheel in sorted(source.glob("*.whl")) if source else []:
         if not ic.wheel_fits(flavor, wheel.name):
             continue
-        target = inputs / "wheelhouse" / wheel.name
-        try:
-            target.hardlink_to(wheel)
-        except OSError:  # another filesystem: copy instead
-            shutil.copy2(wheel, target)
+        link_or_copy(wheel, inputs / "wheelhouse" / wheel.name)
     if ca_bundle:
         bundle = Path(ca_bundle)
         if not bundle.is_file():

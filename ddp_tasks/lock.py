@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -19,7 +18,7 @@ from invoke import task
 
 from ddp_tasks import image_commands as ic
 from ddp_tasks import lock_file
-from ddp_tasks.image import docker_client, stream_build, user_errors
+from ddp_tasks.image import docker_client, link_or_copy, stream_build, user_errors
 from launcher.errors import LaunchError
 
 try:
@@ -33,7 +32,7 @@ def _wheelhouse_for(flavor: str, wheelhouse: Path | None, into: Path) -> bool:
     into.mkdir()
     for wheel in sorted(wheelhouse.glob("*.whl")) if wheelhouse else []:
         if ic.wheel_fits(flavor, wheel.name):
-            shutil.copy2(wheel, into / wheel.name)
+            link_or_copy(wheel, into / wheel.name)
     return any(into.glob("torch-*.whl"))
 
 
