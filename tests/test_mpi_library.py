@@ -118,6 +118,7 @@ def test_load_points_mpi4py_at_the_choice_once(monkeypatch, bundled):
     assert environ["MPI4PY_LIBMPI"] == str(bundled[0])
     assert "MPI4PY_MPIABI" not in environ  # it would make mpi4py skip loading the path
     assert environ[mpi_library.CMA_VARIABLE] == "0"  # in the image only
+    assert mpi_library.IALLREDUCE_VARIABLE not in environ  # one node: MPICH's own choice
     # a second call, even for another launch, keeps the first choice: mpi4py loads once
     assert mpi_library.load(detect_environment(OPENMPI, hostname="n1")).path == str(bundled[0])
 
@@ -153,3 +154,33 @@ def test_outside_the_image_cma_stays_as_mpich_sets_it(monkeypatch, bundled):
     monkeypatch.setattr(mpi_library.os, "environ", environ)
     assert mpi_library.load(detect_environment(HYDRA, hostname="n1")).abi == "mpich"
     assert environ == {"MPI4PY_LIBMPI": str(bundled[0])}
+
+
+@pytest.mark.parametrize(("user", "expected"), [(None, "tsp_ring"), ("auto", "auto")])
+def test_across_nodes_the_bundled_mpich_reduces_in_a_ring(monkeypatch, bundled, user, expected):
+    monkeypatch.setattr(mpi_library, "_loaded", None)
+    monkeypatch.setattr(mpi_library, "BUNDLED_MPICH", bundled[0])
+    monkeypatch.delitem(mpi_library.sys.modules, "mpi4py.MPI", raising=False)
+    environ = {} if user is None else {mpi_library.IALLREDUCE_VARIABLE: user}
+    monkeypatch.setattr(mpi_library.os, "environ", environ)
+    # Hydra's mpiexec, 4 ranks, 2 on this node: 2 nodes
+    env = detect_environment({**HYDRA, "PMI_SIZE": "4", "MPI_LOCALNRANKS": "2"}, hostname="n1")
+    assert env.num_nodes == 2
+    mpi_library.load(env)
+    assert environ[mpi_library.IALLREDUCE_VARIABLE] == expected  # the user's value wins
+
+
+def test_a_host_mpich_keeps_its_own_all_reduce_across_nodes(monkeypatch, tmp_path, bundled):
+    """MPIR_CVAR values differ between MPICH releases and derivatives: only ours is told."""
+    host = tmp_path / "host"
+    host.mkdir()
+    (host / "libmpi.so.12").touch()
+    monkeypatch.setattr(mpi_library, "_loaded", None)
+    monkeypatch.setattr(mpi_library, "BUNDLED_MPICH", bundled[0])
+    monkeypatch.delitem(mpi_library.sys.modules, "mpi4py.MPI", raising=False)
+    environ: dict[str, str] = {}
+    monkeypatch.setattr(mpi_library.os, "environ", environ)
+    env = detect_environment({**HYDRA, "PMI_SIZE": "4", "MPI_LOCALNRANKS": "2",
+                              "LD_LIBRARY_PATH": str(host)}, hostname="n1")
+    assert mpi_library.load(env).path == str(host / "libmpi.so.12")
+    assert mpi_library.IALLREDUCE_VARIABLE not in environ
