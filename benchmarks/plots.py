@@ -34,9 +34,20 @@ def allreduce(result: dict, path: Path) -> Path:
     for name, label in SERIES.items():
         axes.plot(sizes, [row[f"{name}_median_busGBps"] for row in rows], marker="o",
                   label=label)
+    imb = result.get("imb_us")  # benchmarks/cluster.py --imb: Intel MPI's IMB-MPI1
+    if imb:
+        factor = 2 * (result["world_size"] - 1) / result["world_size"]
+        # JSON keys are strings
+        points = sorted((int(size), us) for size, us in imb.items() if int(size) in sizes)
+        axes.plot([p[0] for p in points], [p[0] / p[1] / 1e3 * factor for p in points],
+                  marker="x", linestyle="-.", label="IMB-MPI1 Allreduce (Intel MPI)")
     link = result["floor"]["link_GBps"]
     axes.axhline(link, color="black", linestyle="--",
                  label=f"link, one way ({link:.2f} GB/s): the floor")
+    exchange = result["floor"].get("exchange_GBps")
+    if exchange is not None:  # results written before it was measured have none
+        axes.axhline(exchange, color="grey", linestyle=":",
+                     label=f"each rank while all exchange at once ({exchange:.2f} GB/s)")
     axes.set_xscale("log", base=2)
     axes.set_xticks(sizes, [f"{s >> 20} MiB" if s >= 1 << 20 else f"{s >> 10} KiB"
                             for s in sizes], rotation=30)

@@ -26,11 +26,14 @@ def test_allreduce_benchmark_writes_every_table(tmp_path):
     assert [row["bytes"] for row in report["allreduce"]] == [4 << 10 << 2 * i for i in range(8)]
     floor = report["floor"]
     assert 0 < floor["link_median_GBps"] <= floor["link_GBps"] and floor["memcpy_GBps"] > 0
+    assert floor["exchange_GBps"] > 0
     for row in report["allreduce"]:
         assert row["vs_raw_median"] > 0 and row["vs_gloo_median"] > 0
         # 2 ranks: busbw = algbw x 2(n-1)/n = algbw, and the floor moves the whole buffer
         assert row["mpi4py_median_busGBps"] == pytest.approx(row["mpi4py_median_GBps"])
         assert row["floor_us"] == pytest.approx(row["bytes"] / floor["link_GBps"] / 1e3)
+        assert row["mpi4py_vs_exchange_median"] == pytest.approx(
+            row["mpi4py_median_busGBps"] / floor["exchange_GBps"])
     # the plot beside the JSON (matplotlib is in the dev extra)
     assert out.with_suffix(".png").read_bytes().startswith(b"\x89PNG")
     busy = report["busy_allreduce_after_last_arrival_us"]
@@ -85,3 +88,20 @@ def test_container_cost_benchmark_compares_venv_and_ch_run(ch_image, tmp_path):
                              for size in times} for name, times in report["median_s"].items()}
     assert out.with_suffix(".png").stat().st_size > 0
     assert "1.00x = the same speed as the venv" in result.stdout
+
+
+def test_imb_reference_runs_intel_mpis_own_benchmark(impi_prefix, tmp_path):
+    against = tmp_path / "allreduce.json"
+    against.write_text(json.dumps({"allreduce": [
+        {"bytes": 4 << 10, "mpi4py_median_us": 10.0, "raw_median_us": 5.0},
+        {"bytes": 3, "mpi4py_median_us": 1.0, "raw_median_us": 1.0}]}))  # IMB has no 3 B
+    out = tmp_path / "imb.json"
+    result = subprocess.run(
+        [sys.executable, "benchmarks/imb.py", "--prefix", str(impi_prefix), "--against",
+         str(against), "--json", str(out)],
+        cwd=REPO_ROOT, env=clean_environ(), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    [row] = json.loads(out.read_text())["rows"]
+    assert row["bytes"] == 4 << 10 and row["imb_us"] > 0
+    assert row["imb_vs_mpi4py"] == pytest.approx(row["imb_us"] / 10.0)
+    assert "IMB-MPI1 Allreduce (Intel MPI, 2 ranks, one node)" in result.stdout
