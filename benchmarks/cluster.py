@@ -1,13 +1,16 @@
-"""Compose cluster benchmark: start-up to healthy, launch to first step, all_reduce across nodes.
+"""Compose cluster benchmark: start-up, first step, all_reduce and weak scaling across nodes.
 
     .venv/bin/python benchmarks/cluster.py [--image ddp:cpu] [--nodes 2] [--json PATH]
 
 Starts an MPI cluster of NODES containers with the project's own code (``invoke cluster.up``),
 times ``invoke run --runtime docker`` until rank 0 logs its first training step, runs
 benchmarks/allreduce.py across the nodes, one rank each (gloo, the mpi4py backend and raw
-mpi4py against the link's floor), tears the cluster down, prints the tables and writes JSON;
-the all_reduce result also as ``allreduce-<N>node.json`` with its plot beside it.
-Goal: the first training step less than 5 s after the cluster is healthy.
+mpi4py against the link's floor), the CNN's weak scaling with each backend
+(benchmarks/cluster_scaling.py), tears the cluster down, prints the tables and writes JSON;
+the all_reduce result also as ``allreduce-<N>node.json`` and the weak scaling as
+``scaling-<N>node.json``, each with its plot beside it.
+Goals: the first training step less than 5 s after the cluster is healthy; weak-scaling
+efficiency >= 0.85 with mpi.
 """
 
 from __future__ import annotations
@@ -26,10 +29,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks import plots  # noqa: E402
+from benchmarks import cluster_scaling, imb, plots  # noqa: E402
 from ddp_tasks import cluster as cl  # noqa: E402
 
-GOALS = {"first_step_s": 5.0}
+GOALS = {"first_step_s": 5.0, "mpi_weak_scaling_efficiency": 0.85}
 ALLREDUCE = ROOT / "benchmarks" / "allreduce.py"
 FIRST_STEP = re.compile(r"\bstep 1\b")
 RUN_TIMEOUT = 600
@@ -77,12 +80,34 @@ def allreduce(prefix: str, nodes: int) -> dict | None:
     return {**json.loads(text), "table": table}
 
 
+def imb_across(prefix: str, nodes: int, impi: str) -> dict[int, float]:
+    """IMB-MPI1 Allreduce across the nodes with Intel MPI copied in from the host's ``impi``
+    prefix (the shared volume gives every node the same path); bytes -> us per call."""
+    node0 = prefix + "node0"
+    subprocess.run(["docker", "cp", f"{impi}/.", f"{node0}:/shared/impi"], check=True,
+                   timeout=RUN_TIMEOUT, capture_output=True)
+    argv = imb.imb_argv("/shared/impi", nodes, cl.hosts(nodes))
+    # Intel MPI's ssh bootstrap through the cluster's ssh wrapper (see ssh-launch.sh)
+    argv[1:1] = ["-bootstrap-exec", "/opt/ddp/cluster/ssh-launch.sh"]
+    output = subprocess.run(["docker", "exec", "-e", "LD_LIBRARY_PATH=/shared/impi/lib", node0,
+                             *argv], check=True, timeout=RUN_TIMEOUT, capture_output=True,
+                            text=True).stdout
+    return imb.parse(output)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--image", default=cl.DEFAULT_IMAGE, help="project image (ddp:cpu)")
     parser.add_argument("--nodes", type=int, default=2, help="cluster size (default 2)")
     parser.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "cluster.json"),
                         help="where to write the results (default: benchmarks/results/)")
+    parser.add_argument("--scaling-repeats", type=int, default=3,
+                        help="rounds of the weak-scaling runs (0: none)")
+    parser.add_argument("--imb", metavar="PREFIX",
+                        help="also run IMB-MPI1 Allreduce across the nodes with the Intel MPI "
+                        "installed at PREFIX (pip install --prefix PREFIX impi-rt)")
+    parser.add_argument("--backends", default="mpi,gloo",
+                        help="backends of the weak-scaling runs, comma-separated")
     args = parser.parse_args()
 
     project = f"ddpbench{os.getpid()}"
@@ -94,6 +119,11 @@ def main() -> int:
         results["first_step_s"], results["run_s"] = time_to_first_step(project, prefix,
                                                                        args.nodes)
         results["allreduce"] = allreduce(prefix, args.nodes)
+        if args.imb and results["allreduce"]:
+            results["allreduce"]["imb_us"] = imb_across(prefix, args.nodes, args.imb)
+        if args.scaling_repeats:
+            results["weak_scaling"] = cluster_scaling.weak_scaling(
+                prefix, cl.hosts(args.nodes), args.backends.split(","), args.scaling_repeats)
     finally:
         left = cl.remove(project, cl.mpi_compose_file(args.nodes, project))
         shutil.rmtree(cl.RUNS_DIR / project, ignore_errors=True)
@@ -114,9 +144,22 @@ def main() -> int:
     else:
         # the nodes have no matplotlib: the table came from node0, the plot is drawn here
         print(results["allreduce"].pop("table"))
+        if "imb_us" in results["allreduce"]:
+            imb.print_table(imb.compare(results["allreduce"]["imb_us"], results["allreduce"]),
+                            f"{args.nodes} nodes, one rank each")
         across = Path(args.json).with_name(f"allreduce-{args.nodes}node.json")
         across.write_text(json.dumps(results["allreduce"], indent=2) + "\n")
         print(f"wrote {across} and {plots.allreduce(results['allreduce'], across)}")
+    if "weak_scaling" in results:
+        scaling = results["weak_scaling"]
+        cluster_scaling.print_table(scaling)
+        path = Path(args.json).with_name(f"scaling-{args.nodes}node.json")
+        path.write_text(json.dumps(scaling, indent=2) + "\n")
+        bars = [{"label": f"{backend}, {args.nodes} nodes", "efficiency": m["median_efficiency"],
+                 "goal": GOALS["mpi_weak_scaling_efficiency"]}
+                for backend, m in scaling["summary"].items()]
+        title = f"Weak scaling across {args.nodes} nodes, CNN, DDP (median of rounds)"
+        print(f"wrote {path} and {plots.scaling(bars, title, path)}")
     Path(args.json).write_text(json.dumps({"results": results, "goals": GOALS}, indent=2) + "\n")
     print(f"wrote {args.json}")
     return 0

@@ -109,14 +109,21 @@ class Job:
             if self._process.returncode != 0:
                 sys.exit(f"failed: {' '.join(self.command)}\n{stderr}")
             lines = (Path(self._tmp.name) / "metrics.jsonl").read_text().splitlines()
-        records = [r for r in map(json.loads, lines) if r["event"] == "step"][WARMUP_INTERVALS:]
-        return {
-            **self.record,
-            "samples_per_s": max(r["samples_per_s"] for r in records),
-            "samples_per_s_median": statistics.median(r["samples_per_s"] for r in records),
-            **{k: min(r[k] for r in records) for k in ("t_step", "t_comm", "t_compute",
-                                                       "t_forward", "t_backward", "t_optimizer")},
-        }
+        return summarize(lines, self.record)
+
+
+def summarize(metrics_lines: list[str], record: dict) -> dict:
+    """``record`` with the run's best and median samples/s and smallest step times (seconds),
+    from launcher.train's metrics.jsonl, warm-up intervals dropped."""
+    records = [r for r in map(json.loads, metrics_lines)
+               if r["event"] == "step"][WARMUP_INTERVALS:]
+    return {
+        **record,
+        "samples_per_s": max(r["samples_per_s"] for r in records),
+        "samples_per_s_median": statistics.median(r["samples_per_s"] for r in records),
+        **{k: min(r[k] for r in records) for k in ("t_step", "t_comm", "t_compute",
+                                                   "t_forward", "t_backward", "t_optimizer")},
+    }
 
 
 class Runs:
