@@ -11,6 +11,7 @@ import subprocess
 import pytest
 import yaml
 
+from benchmarks import cluster_scaling
 from ddp_tasks import cluster as cl
 from launcher.errors import LaunchError
 from tests.fixtures.cluster import invoke_run, param_hashes
@@ -94,6 +95,8 @@ def test_train_gives_one_model_on_every_node(compose_mpi, nodes):
     hashes = param_hashes(result.stdout)
     assert sorted(hashes) == list(range(nodes)), result.stdout
     assert len(set(hashes.values())) == 1, hashes
+    # --backend auto under Hydra's mpiexec with the image's MPICH: the mpi backend
+    assert "backend mpi4py, device cpu" in result.stdout, result.stdout
     # rank 0 wrote the final checkpoint where every node sees it
     for host in compose_mpi.hosts[:nodes]:
         assert "ckpt-" in compose_mpi.check(host, f"ls {run_dir}/checkpoints")
@@ -117,3 +120,16 @@ def test_node_local_and_shared_data_give_the_same_model(compose_mpi):
     assert compose_mpi.exec("node2", "ls /tmp/ddp-data").returncode != 0, \
         "node2 took no part, it must have no data"
     assert hashes["local"] == hashes["shared"]
+
+
+@pytest.mark.cluster
+@pytest.mark.docker
+def test_weak_scaling_benchmark_measures_each_backend_across_nodes(compose_mpi):
+    result = cluster_scaling.weak_scaling(compose_mpi.prefix, list(compose_mpi.hosts[:2]),
+                                          ["mpi", "gloo"], repeats=1, steps=20)
+    assert [r["backend"] for r in result["rounds"]] == ["mpi", "gloo"]
+    for r in result["rounds"]:
+        assert r["rate_1"] > 0 and r["rate_n"] > 0 and r["rate_n_independent"] > 0
+        assert r["efficiency"] == pytest.approx(r["rate_n"] / (2 * r["rate_1"]))
+        assert r["efficiency"] == pytest.approx(r["machine_efficiency"] * r["sync_efficiency"])
+    assert set(result["summary"]) == {"mpi", "gloo"}
