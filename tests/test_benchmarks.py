@@ -105,3 +105,17 @@ def test_imb_reference_runs_intel_mpis_own_benchmark(impi_prefix, tmp_path):
     assert row["bytes"] == 4 << 10 and row["imb_us"] > 0
     assert row["imb_vs_mpi4py"] == pytest.approx(row["imb_us"] / 10.0)
     assert "IMB-MPI1 Allreduce (Intel MPI, 2 ranks, one node)" in result.stdout
+
+
+def test_tuning_benchmark_compares_each_variant_with_the_first(tmp_path):
+    out = tmp_path / "tuning.json"
+    result = subprocess.run(
+        [sys.executable, "benchmarks/tuning.py", "--rounds", "1", "--seconds", "0.02",
+         "--json", str(out)],
+        cwd=REPO_ROOT, env=clean_environ(), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(out.read_text())
+    first, now = report["busGBps"]  # one node: before and now
+    assert first.startswith("before") and now.startswith("now")
+    assert len(report["busGBps"][now]) == 8 and min(report["busGBps"][now].values()) > 0
+    assert set(report["vs_first"][first].values()) == {1.0}

@@ -1,0 +1,168 @@
+"""What each change to the mpi backend's all_reduce gained, side by side: one job per variant.
+
+    .venv/bin/python benchmarks/tuning.py --json benchmarks/results/tuning.json
+    .venv/bin/python benchmarks/tuning.py --nodes 3 --json benchmarks/results/tuning-3node.json
+
+A variant is the backend as it was before a change or after it: MPICH's algorithm for the
+non-blocking all_reduce (an environment variable, read when MPI starts, hence one job per
+variant) and the backend's slicing (slice size, slices in flight). The variants take turns,
+one job each per round, so that the machine's drift falls on all alike; each job times the
+backend's all_reduce (``dist.all_reduce`` on the mpi4py group, float32) from 4 KiB to 64 MiB
+as benchmarks/allreduce.py does, and the table gives each variant's bus bandwidth (median of
+the rounds' medians) and its ratio to the first variant. On one node the jobs are local
+``mpiexec -n 2``; with ``--nodes N`` they run on a compose cluster of N containers, one rank
+each (``invoke cluster.up``, torn down at the end).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+HERE = Path(__file__).resolve().parent
+ALGORITHM = "MPIR_CVAR_IALLREDUCE_INTRA_ALGORITHM"
+RUN_TIMEOUT = 600
+
+#: (label, MPICH's algorithm, slice MiB, slices in flight): the first is the reference
+VARIANTS = {
+    "one node": [("before: 4 MiB slices, one at a time", "auto", 4, 1),
+                 ("now: 1 MiB slices, two in flight", "auto", 1, 2)],
+    "across nodes": [("before: MPICH's choice, 4 MiB x 1", "auto", 4, 1),
+                     ("ring, 4 MiB x 1", "tsp_ring", 4, 1),
+                     ("now: ring, 1 MiB x 2", "tsp_ring", 1, 2)],
+}
+
+
+def rank_side(args) -> None:
+    """One variant's job: the backend's all_reduce per size; rank 0 prints one JSON line."""
+    sys.path.insert(0, str(HERE))
+    import allreduce  # noqa: PLC0415 - benchmarks/allreduce.py beside this file
+    import torch
+    import torch.distributed as dist
+
+    from launcher import mpi_backend
+
+    mpi_backend.ALLREDUCE_SLICE_BYTES = args.slice_mib << 20
+    mpi_backend.ALLREDUCE_IN_FLIGHT = args.in_flight
+    _, ours = allreduce.init_groups()
+    bus = allreduce.bus_factor(allreduce.COMM.size)
+    row = {}
+    for nbytes in allreduce.SIZES:
+        buffer = torch.zeros(nbytes // 4)
+        stats = allreduce.measure({"mpi4py": lambda b=buffer: dist.all_reduce(b, group=ours)},
+                                  args)["mpi4py"]
+        row[nbytes] = nbytes / stats["median"] / 1e9 * bus
+    if allreduce.COMM.rank == 0:
+        print("RESULT " + json.dumps(row), flush=True)
+    dist.destroy_process_group()
+
+
+def job_argv(launch: list[str], script: list[str], algorithm: str, slice_mib: int,
+             in_flight: int, seconds: float) -> list[str]:
+    """LAUNCH (an mpiexec command line) running SCRIPT (python and this file) as one variant."""
+    return [*launch, "-genv", ALGORITHM, algorithm, *script, "--rank-side",
+            "--slice-mib", str(slice_mib), "--in-flight", str(in_flight),
+            "--seconds", str(seconds)]
+
+
+def run_job(argv: list[str]) -> dict[int, float]:
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=RUN_TIMEOUT, cwd=ROOT)
+    if done.returncode != 0:
+        raise SystemExit(f"failed ({done.returncode}): {' '.join(argv)}\n{done.stderr}")
+    line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))
+    return {int(k): v for k, v in json.loads(line[len("RESULT "):]).items()}
+
+
+def compare(launch: list[str], script: list[str], variants: list, rounds: int,
+            seconds: float) -> dict:
+    """Every variant once per round; per variant and size the median bus GB/s of the rounds."""
+    found: dict[str, list[dict[int, float]]] = {label: [] for label, *_ in variants}
+    for _ in range(rounds):
+        for label, algorithm, slice_mib, in_flight in variants:
+            found[label].append(run_job(job_argv(launch, script, algorithm, slice_mib,
+                                                 in_flight, seconds)))
+    sizes = sorted(found[variants[0][0]][0])
+    busbw = {label: {size: statistics.median(r[size] for r in runs) for size in sizes}
+             for label, runs in found.items()}
+    reference = busbw[variants[0][0]]
+    return {"busGBps": busbw, "vs_first": {label: {s: row[s] / reference[s] for s in sizes}
+                                           for label, row in busbw.items()},
+            "rounds": rounds}
+
+
+def print_table(result: dict, where: str) -> None:
+    sizes = sorted(next(iter(result["busGBps"].values())))
+    human = [f"{s >> 20} MiB" if s >= 1 << 20 else f"{s >> 10} KiB" for s in sizes]
+    print(f"\nmpi backend all_reduce, {where}: bus GB/s (median of {result['rounds']} rounds), "
+          "and x the first row")
+    print(f"{'variant':40}" + "".join(f"{h:>15}" for h in human))
+    for label, row in result["busGBps"].items():
+        ratios = result["vs_first"][label]
+        print(f"{label:40}" + "".join(f"{row[s]:>7.2f} ({ratios[s]:.2f}x)" for s in sizes))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nodes", type=int, default=1, help="1: this machine; more: compose")
+    parser.add_argument("--rounds", type=int, default=4, help="jobs per variant")
+    parser.add_argument("--seconds", type=float, default=0.4,
+                        help="time budget per size in each job")
+    parser.add_argument("--image", default="ddp:cpu", help="project image (--nodes > 1)")
+    parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--rank-side", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--slice-mib", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--in-flight", type=int, default=2, help=argparse.SUPPRESS)
+    parser.add_argument("--max-calls", type=int, default=2000, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.rank_side:
+        rank_side(args)
+        return 0
+
+    if args.nodes == 1:
+        variants, where = VARIANTS["one node"], "2 ranks on one node"
+        launch = [str(Path(sys.executable).parent / "mpiexec"), "-n", "2"]
+        result = compare(launch, [sys.executable, str(Path(__file__).resolve())], variants,
+                         args.rounds, args.seconds)
+    else:
+        variants, where = VARIANTS["across nodes"], f"{args.nodes} nodes, one rank each"
+        result = across_nodes(args, variants)
+    print_table(result, where)
+    if args.json:
+        args.json.write_text(json.dumps({"command": " ".join(sys.argv), "where": where,
+                                         "load_average": os.getloadavg(), **result},
+                                        indent=2) + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
+def across_nodes(args, variants: list) -> dict:
+    """The jobs on a compose cluster started for them, with both scripts on its shared volume."""
+    sys.path.insert(0, str(ROOT))
+    from ddp_tasks import cluster as cl
+
+    project = f"ddptuning{os.getpid()}"
+    prefix = f"{project}-"
+    try:
+        cl.up_mpi(args.nodes, project, prefix, args.image)
+        for script in ("allreduce.py", "tuning.py"):
+            subprocess.run(["docker", "cp", str(HERE / script), f"{prefix}node0:/shared/"],
+                           check=True, timeout=60)
+        launch = ["docker", "exec", f"{prefix}node0", "mpiexec", "-launcher", "ssh", "-hosts",
+                  ",".join(cl.hosts(args.nodes)), "-n", str(args.nodes), "-ppn", "1",
+                  "-genv", "MASTER_ADDR", "node0"]
+        return compare(launch, ["python", "/shared/tuning.py"], variants, args.rounds,
+                       args.seconds)
+    finally:
+        left = cl.remove(project, cl.mpi_compose_file(args.nodes, project))
+        if left:
+            print(f"the benchmark cluster left behind: {left}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
