@@ -1,17 +1,17 @@
-"""What each change to the mpi backend's all_reduce gained, side by side: one job per variant.
+"""MPICH's algorithm for the mpi backend's all_reduce, side by side: one job per variant.
 
     .venv/bin/python benchmarks/tuning.py --json benchmarks/results/tuning.json
     .venv/bin/python benchmarks/tuning.py --nodes 3 --json benchmarks/results/tuning-3node.json
 
-A variant is the backend as it was before a change or after it: MPICH's algorithm for the
-non-blocking all_reduce (an environment variable, read when MPI starts, hence one job per
-variant) and the backend's slicing (slice size, slices in flight). The variants take turns,
-one job each per round, so that the machine's drift falls on all alike; each job times the
-backend's all_reduce (``dist.all_reduce`` on the mpi4py group, float32) from 4 KiB to 64 MiB
-as benchmarks/allreduce.py does, and the table gives each variant's bus bandwidth (median of
-the rounds' medians) and its ratio to the first variant. On one node the jobs are local
-``mpiexec -n 2``; with ``--nodes N`` they run on a compose cluster of N containers, one rank
-each (``invoke cluster.up``, torn down at the end).
+A variant is MPICH's algorithm for the non-blocking all_reduce the backend calls (an
+environment variable, read when MPI starts, hence one job per variant): its own choice, or the
+ring that launcher/mpi_library.py asks for where the ring measured faster. The variants take
+turns, one job each per round, so that the machine's drift falls on all alike; each job times
+the backend's all_reduce (``dist.all_reduce`` on the mpi4py group, float32) from 4 KiB to
+64 MiB as benchmarks/allreduce.py does, and the table gives each variant's bus bandwidth
+(median of the rounds' medians) and its ratio to the first variant. On one node the jobs are
+local ``mpiexec -n 2``; with ``--nodes N`` they run on a compose cluster of N containers, one
+rank each (``invoke cluster.up``, torn down at the end).
 """
 
 from __future__ import annotations
@@ -29,14 +29,8 @@ HERE = Path(__file__).resolve().parent
 ALGORITHM = "MPIR_CVAR_IALLREDUCE_INTRA_ALGORITHM"
 RUN_TIMEOUT = 600
 
-#: (label, MPICH's algorithm, slice MiB, slices in flight): the first is the reference
-VARIANTS = {
-    "one node": [("before: 4 MiB slices, one at a time", "auto", 4, 1),
-                 ("now: 1 MiB slices, two in flight", "auto", 1, 2)],
-    "across nodes": [("before: MPICH's choice, 4 MiB x 1", "auto", 4, 1),
-                     ("ring, 4 MiB x 1", "tsp_ring", 4, 1),
-                     ("now: ring, 1 MiB x 2", "tsp_ring", 1, 2)],
-}
+#: (label, MPICH's algorithm for the non-blocking all_reduce): the first is the reference
+VARIANTS = [("MPICH's own choice", "auto"), ("ring (tsp_ring)", "tsp_ring")]
 
 
 def rank_side(args) -> None:
@@ -46,10 +40,6 @@ def rank_side(args) -> None:
     import torch
     import torch.distributed as dist
 
-    from launcher import mpi_backend
-
-    mpi_backend.ALLREDUCE_SLICE_BYTES = args.slice_mib << 20
-    mpi_backend.ALLREDUCE_IN_FLIGHT = args.in_flight
     _, ours = allreduce.init_groups()
     bus = allreduce.bus_factor(allreduce.COMM.size)
     row = {}
@@ -63,12 +53,10 @@ def rank_side(args) -> None:
     dist.destroy_process_group()
 
 
-def job_argv(launch: list[str], script: list[str], algorithm: str, slice_mib: int,
-             in_flight: int, seconds: float) -> list[str]:
+def job_argv(launch: list[str], script: list[str], algorithm: str, seconds: float) -> list[str]:
     """LAUNCH (an mpiexec command line) running SCRIPT (python and this file) as one variant."""
-    return [*launch, "-genv", ALGORITHM, algorithm, *script, "--rank-side",
-            "--slice-mib", str(slice_mib), "--in-flight", str(in_flight),
-            "--seconds", str(seconds)]
+    return [*launch, "-genv", ALGORITHM, algorithm, *script, "--rank-side", "--seconds",
+            str(seconds)]
 
 
 def run_job(argv: list[str]) -> dict[int, float]:
@@ -82,11 +70,10 @@ def run_job(argv: list[str]) -> dict[int, float]:
 def compare(launch: list[str], script: list[str], variants: list, rounds: int,
             seconds: float) -> dict:
     """Every variant once per round; per variant and size the median bus GB/s of the rounds."""
-    found: dict[str, list[dict[int, float]]] = {label: [] for label, *_ in variants}
+    found: dict[str, list[dict[int, float]]] = {label: [] for label, _ in variants}
     for _ in range(rounds):
-        for label, algorithm, slice_mib, in_flight in variants:
-            found[label].append(run_job(job_argv(launch, script, algorithm, slice_mib,
-                                                 in_flight, seconds)))
+        for label, algorithm in variants:
+            found[label].append(run_job(job_argv(launch, script, algorithm, seconds)))
     sizes = sorted(found[variants[0][0]][0])
     busbw = {label: {size: statistics.median(r[size] for r in runs) for size in sizes}
              for label, runs in found.items()}
@@ -101,10 +88,10 @@ def print_table(result: dict, where: str) -> None:
     human = [f"{s >> 20} MiB" if s >= 1 << 20 else f"{s >> 10} KiB" for s in sizes]
     print(f"\nmpi backend all_reduce, {where}: bus GB/s (median of {result['rounds']} rounds), "
           "and x the first row")
-    print(f"{'variant':40}" + "".join(f"{h:>15}" for h in human))
+    print(f"{'variant':20}" + "".join(f"{h:>15}" for h in human))
     for label, row in result["busGBps"].items():
         ratios = result["vs_first"][label]
-        print(f"{label:40}" + "".join(f"{row[s]:>7.2f} ({ratios[s]:.2f}x)" for s in sizes))
+        print(f"{label:20}" + "".join(f"{row[s]:>7.2f} ({ratios[s]:.2f}x)" for s in sizes))
 
 
 def main() -> int:
@@ -116,8 +103,6 @@ def main() -> int:
     parser.add_argument("--image", default="ddp:cpu", help="project image (--nodes > 1)")
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--rank-side", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--slice-mib", type=int, default=1, help=argparse.SUPPRESS)
-    parser.add_argument("--in-flight", type=int, default=2, help=argparse.SUPPRESS)
     parser.add_argument("--max-calls", type=int, default=2000, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rank_side:
@@ -125,13 +110,13 @@ def main() -> int:
         return 0
 
     if args.nodes == 1:
-        variants, where = VARIANTS["one node"], "2 ranks on one node"
+        where = "2 ranks on one node"
         launch = [str(Path(sys.executable).parent / "mpiexec"), "-n", "2"]
-        result = compare(launch, [sys.executable, str(Path(__file__).resolve())], variants,
+        result = compare(launch, [sys.executable, str(Path(__file__).resolve())], VARIANTS,
                          args.rounds, args.seconds)
     else:
-        variants, where = VARIANTS["across nodes"], f"{args.nodes} nodes, one rank each"
-        result = across_nodes(args, variants)
+        where = f"{args.nodes} nodes, one rank each"
+        result = across_nodes(args, VARIANTS)
     print_table(result, where)
     if args.json:
         args.json.write_text(json.dumps({"command": " ".join(sys.argv), "where": where,

@@ -117,12 +117,8 @@ _CPU = torch.device("cpu")
 #: MPICH's threshold for single-copy (CMA) transfers even when split among many ranks
 _PROBE_WORDS = 1 << 20
 
-#: all_reduce works through larger buffers in slices of this many bytes, with this many in
-#: flight: while MPI sums one slice, the next is on the wire. Against 4 MiB slices one at a
-#: time (benchmarks/README.md): +10-30 % bus bandwidth from 4 MiB up across 2 nodes, +5-10 %
-#: on one node, where slices that fit in cache are also why it beats one big MPI call
-ALLREDUCE_SLICE_BYTES = 1 << 20
-ALLREDUCE_IN_FLIGHT = 2
+#: all_reduce works through larger buffers in slices of this many bytes, one after another
+ALLREDUCE_SLICE_BYTES = 4 << 20
 
 #: polls of a request (about 1 us each from Python) before each further poll gives up the
 #: CPU: MPICH spins for about as long (1000 polls of its own) before it yields
@@ -425,14 +421,9 @@ class MPIProcessGroup(dist.ProcessGroup):
         for t in tensors:
             mpi_op, compute, average = _reduction(t.dtype, op)
             buf = _addressable(t, compute)
-            pending: list[MPI.Request] = []
             for part in _slices(buf, ALLREDUCE_SLICE_BYTES):
-                if len(pending) == ALLREDUCE_IN_FLIGHT:
-                    self._wait(pending.pop(0), "all_reduce")
-                with self._lock:
-                    pending.append(self._comm.Iallreduce(MPI.IN_PLACE, _spec(part), mpi_op))
-            for request in pending:
-                self._wait(request, "all_reduce")
+                self._run("all_reduce", None, self._comm.Iallreduce, MPI.IN_PLACE, _spec(part),
+                          mpi_op)
             if average:
                 self._average(buf)
             _write_back(t, buf)

@@ -115,14 +115,19 @@ def load(env: JobEnv) -> MpiChoice:
             # data. Shared memory works everywhere; set 1 where ranks may ptrace each other.
             # The image's ENV says the same, but ch-run without --set-env skips it.
             os.environ.setdefault(CMA_VARIABLE, "0")
-        if _loaded.bundled_mpich and env.num_nodes > 1:
-            # Across nodes MPICH 5.0.2's own choice sends whole buffers over the network
-            # several times; its ring sends each byte 2(n-1)/n times, as gloo and NCCL do:
-            # 1.3-1.7x the bus bandwidth from 4 MiB up on the 3-node compose cluster, a few
-            # tens of microseconds more below 16 KiB (benchmarks/README.md). One node keeps
-            # MPICH's choice: its shared-memory algorithms are 3x faster there than the ring.
+        if _loaded.bundled_mpich and env.num_nodes > 1 and not _power_of_two(env.world_size):
+            # MPICH 5.0.2's own choice halves and doubles: bandwidth-optimal for 2, 4, 8...
+            # ranks, but for other counts it first folds whole buffers of the extra ranks into
+            # others over the network. Its ring sends each byte 2(n-1)/n times, as gloo and
+            # NCCL do: 1.2-1.5x the bus bandwidth from 256 KiB up across 3 nodes, 0.7-0.9x
+            # below 64 KiB; across 2 nodes MPICH's choice was faster, and on one node its
+            # shared-memory algorithms are (benchmarks/README.md, benchmarks/tuning.py).
             os.environ.setdefault(IALLREDUCE_VARIABLE, "tsp_ring")
     return _loaded
+
+
+def _power_of_two(n: int) -> bool:
+    return n & (n - 1) == 0
 
 
 def measured_faster_than_gloo(env: JobEnv, choice: MpiChoice) -> bool:

@@ -115,7 +115,6 @@ def test_tuning_benchmark_compares_each_variant_with_the_first(tmp_path):
         cwd=REPO_ROOT, env=clean_environ(), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads(out.read_text())
-    first, now = report["busGBps"]  # one node: before and now
-    assert first.startswith("before") and now.startswith("now")
-    assert len(report["busGBps"][now]) == 8 and min(report["busGBps"][now].values()) > 0
+    first, ring = report["busGBps"]  # MPICH's own choice, then its ring
+    assert len(report["busGBps"][ring]) == 8 and min(report["busGBps"][ring].values()) > 0
     assert set(report["vs_first"][first].values()) == {1.0}

@@ -156,18 +156,26 @@ def test_outside_the_image_cma_stays_as_mpich_sets_it(monkeypatch, bundled):
     assert environ == {"MPI4PY_LIBMPI": str(bundled[0])}
 
 
-@pytest.mark.parametrize(("user", "expected"), [(None, "tsp_ring"), ("auto", "auto")])
-def test_across_nodes_the_bundled_mpich_reduces_in_a_ring(monkeypatch, bundled, user, expected):
+@pytest.mark.parametrize(("size", "per_node", "user", "expected"), [
+    ("6", "2", None, "tsp_ring"),  # 3 nodes, 6 ranks: the ring
+    ("3", "1", None, "tsp_ring"),
+    ("6", "2", "auto", "auto"),  # the user's value wins
+    ("4", "2", None, None),  # a power of two: MPICH's own halving and doubling
+    ("8", "1", None, None),
+    ("3", "3", None, None),  # one node: its shared-memory algorithms
+])
+def test_across_nodes_the_bundled_mpich_reduces_in_a_ring(monkeypatch, bundled, size,
+                                                           per_node, user, expected):
     monkeypatch.setattr(mpi_library, "_loaded", None)
     monkeypatch.setattr(mpi_library, "BUNDLED_MPICH", bundled[0])
     monkeypatch.delitem(mpi_library.sys.modules, "mpi4py.MPI", raising=False)
     environ = {} if user is None else {mpi_library.IALLREDUCE_VARIABLE: user}
     monkeypatch.setattr(mpi_library.os, "environ", environ)
-    # Hydra's mpiexec, 4 ranks, 2 on this node: 2 nodes
-    env = detect_environment({**HYDRA, "PMI_SIZE": "4", "MPI_LOCALNRANKS": "2"}, hostname="n1")
-    assert env.num_nodes == 2
+    env = detect_environment({**HYDRA, "PMI_SIZE": size, "MPI_LOCALNRANKS": per_node,
+                              "MPI_LOCALRANKID": "0"},
+                             hostname="n1")
     mpi_library.load(env)
-    assert environ[mpi_library.IALLREDUCE_VARIABLE] == expected  # the user's value wins
+    assert environ.get(mpi_library.IALLREDUCE_VARIABLE) == expected
 
 
 def test_a_host_mpich_keeps_its_own_all_reduce_across_nodes(monkeypatch, tmp_path, bundled):
@@ -180,7 +188,7 @@ def test_a_host_mpich_keeps_its_own_all_reduce_across_nodes(monkeypatch, tmp_pat
     monkeypatch.delitem(mpi_library.sys.modules, "mpi4py.MPI", raising=False)
     environ: dict[str, str] = {}
     monkeypatch.setattr(mpi_library.os, "environ", environ)
-    env = detect_environment({**HYDRA, "PMI_SIZE": "4", "MPI_LOCALNRANKS": "2",
+    env = detect_environment({**HYDRA, "PMI_SIZE": "6", "MPI_LOCALNRANKS": "2",
                               "LD_LIBRARY_PATH": str(host)}, hostname="n1")
     assert mpi_library.load(env).path == str(host / "libmpi.so.12")
     assert mpi_library.IALLREDUCE_VARIABLE not in environ
