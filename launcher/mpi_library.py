@@ -119,9 +119,9 @@ def load(env: JobEnv) -> MpiChoice:
             # MPICH 5.0.2's own choice halves and doubles: bandwidth-optimal for 2, 4, 8...
             # ranks, but for other counts it first folds whole buffers of the extra ranks into
             # others over the network. Its ring sends each byte 2(n-1)/n times, as gloo and
-            # NCCL do: 1.2-1.5x the bus bandwidth from 256 KiB up across 3 nodes, 0.7-0.9x
-            # below 64 KiB; across 2 nodes MPICH's choice was faster, and on one node its
-            # shared-memory algorithms are (benchmarks/README.md, benchmarks/tuning.py).
+            # NCCL do: 1.2-1.7x the bus bandwidth from 256 KiB up across 3 nodes, 0.7-0.8x
+            # below 64 KiB; across 2 nodes MPICH's choice was as fast or faster, and on one
+            # node its shared-memory algorithms are (benchmarks/README.md, tuning.py).
             os.environ.setdefault(IALLREDUCE_VARIABLE, "tsp_ring")
     return _loaded
 
