@@ -1,6 +1,6 @@
 """Compose cluster benchmark: start-up, first step, all_reduce and weak scaling across nodes.
 
-    .venv/bin/python benchmarks/cluster.py [--image ddp:cpu] [--nodes 2] [--json PATH]
+    .venv/bin/python benchmarks/cluster.py [--image ddp:cpu] [--nodes 2] [--imb PREFIX] [--json PATH]
 
 Starts an MPI cluster of NODES containers with the project's own code (``invoke cluster.up``),
 times ``invoke run --runtime docker`` until rank 0 logs its first training step, runs
@@ -86,9 +86,9 @@ def imb_across(prefix: str, nodes: int, impi: str) -> dict[int, float]:
     node0 = prefix + "node0"
     subprocess.run(["docker", "cp", f"{impi}/.", f"{node0}:/shared/impi"], check=True,
                    timeout=RUN_TIMEOUT, capture_output=True)
-    argv = imb.imb_argv("/shared/impi", nodes, cl.hosts(nodes))
-    # Intel MPI's ssh bootstrap through the cluster's ssh wrapper (see ssh-launch.sh)
-    argv[1:1] = ["-bootstrap-exec", "/opt/ddp/cluster/ssh-launch.sh"]
+    # Intel MPI's ssh through the cluster's wrapper, as Hydra's (see ssh-launch.sh)
+    argv = imb.imb_argv("/shared/impi", nodes, cl.hosts(nodes),
+                        ssh=f"{cl.CLUSTER_SCRIPTS}/ssh-launch.sh")
     output = subprocess.run(["docker", "exec", "-e", "LD_LIBRARY_PATH=/shared/impi/lib", node0,
                              *argv], check=True, timeout=RUN_TIMEOUT, capture_output=True,
                             text=True).stdout

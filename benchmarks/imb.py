@@ -28,10 +28,12 @@ ITERATIONS = "100"
 TIMEOUT = 600
 
 
-def imb_argv(prefix: str, ranks: int, hosts: list[str] | None = None) -> list[str]:
-    """Intel MPI's mpiexec running IMB-MPI1 Allreduce; across HOSTS (ssh, one rank each)."""
-    where = (["-bootstrap", "ssh", "-hosts", ",".join(hosts), "-ppn", "1"] if hosts
-             else ["-bootstrap", "fork"])
+def imb_argv(prefix: str, ranks: int, hosts: list[str] | None = None,
+             ssh: str = "ssh") -> list[str]:
+    """Intel MPI's mpiexec running IMB-MPI1 Allreduce; across HOSTS one rank each, started
+    with SSH (a command that takes ssh's arguments)."""
+    where = (["-bootstrap", "ssh", "-bootstrap-exec", ssh, "-hosts", ",".join(hosts), "-ppn",
+              "1"] if hosts else ["-bootstrap", "fork"])
     fabric = "ofi" if hosts else "shm"
     return [f"{prefix}/bin/mpiexec.hydra", *where, "-n", str(ranks),
             "-genv", "LD_LIBRARY_PATH", f"{prefix}/lib", "-genv", "I_MPI_FABRICS", fabric,
