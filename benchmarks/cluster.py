@@ -1,6 +1,7 @@
 """Compose cluster benchmark: start-up, first step, all_reduce and weak scaling across nodes.
 
-    .venv/bin/python benchmarks/cluster.py [--image ddp:cpu] [--nodes 2] [--imb PREFIX] [--json PATH]
+    .venv/bin/python benchmarks/cluster.py [--image ddp:cpu] [--nodes 2] [--imb PREFIX] \
+        [--json PATH]
 
 Starts an MPI cluster of NODES containers with the project's own code (``invoke cluster.up``),
 times ``invoke run --runtime docker`` until rank 0 logs its first training step, runs
