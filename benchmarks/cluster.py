@@ -69,11 +69,8 @@ def allreduce(prefix: str, nodes: int) -> dict | None:
     node0 = prefix + "node0"
     subprocess.run(["docker", "cp", str(ALLREDUCE), f"{node0}:/shared/allreduce.py"],
                    check=True, timeout=60)
-    hosts = ",".join(cl.hosts(nodes))
-    # gloo's rendezvous address: the script's default (loopback) only serves one machine
     table = subprocess.run(
-        ["docker", "exec", node0, "mpiexec", "-launcher", "ssh", "-hosts", hosts, "-n",
-         str(nodes), "-ppn", "1", "-genv", "MASTER_ADDR", "node0", "python",
+        ["docker", "exec", node0, *cl.mpiexec_one_per_node(cl.hosts(nodes)), "python",
          "/shared/allreduce.py", "--json", "/shared/allreduce.json"], check=True,
         timeout=RUN_TIMEOUT, capture_output=True, text=True).stdout
     text = subprocess.run(["docker", "exec", node0, "cat", "/shared/allreduce.json"],

@@ -138,9 +138,8 @@ def across_nodes(args, variants: list) -> dict:
         for script in ("allreduce.py", "tuning.py"):
             subprocess.run(["docker", "cp", str(HERE / script), f"{prefix}node0:/shared/"],
                            check=True, timeout=60)
-        launch = ["docker", "exec", f"{prefix}node0", "mpiexec", "-launcher", "ssh", "-hosts",
-                  ",".join(cl.hosts(args.nodes)), "-n", str(args.nodes), "-ppn", "1",
-                  "-genv", "MASTER_ADDR", "node0"]
+        launch = ["docker", "exec", f"{prefix}node0", *cl.mpiexec_one_per_node(
+            cl.hosts(args.nodes))]
         return compare(launch, ["python", "/shared/tuning.py"], variants, args.rounds,
                        args.seconds)
     finally:

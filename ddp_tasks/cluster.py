@@ -60,6 +60,14 @@ def hosts(nodes: int) -> list[str]:
     return [f"node{i}" for i in range(nodes)]
 
 
+def mpiexec_one_per_node(hosts: list[str]) -> list[str]:
+    """Hydra's mpiexec, run on the first node, starting one rank on each of HOSTS over ssh.
+    gloo's rendezvous address is the first node too: its default (loopback) serves one machine.
+    """
+    return ["mpiexec", "-launcher", "ssh", "-hosts", ",".join(hosts), "-n", str(len(hosts)),
+            "-ppn", "1", "-genv", "MASTER_ADDR", hosts[0]]
+
+
 def _check_nodes(nodes: int) -> None:
     if nodes < 1:
         raise LaunchError(f"--nodes {nodes} must be at least 1", hint="pass --nodes 2 or more")

@@ -119,12 +119,26 @@ def base(c, tag=ic.DEFAULT_BASE_TAG, suite="bookworm", mirror=ic.DEBIAN_MIRROR):
 
 # --------------------------------------------------------------------------------------- build
 
-def link_or_copy(source: Path, target: Path) -> None:
-    """A hard link (wheels are hundreds of MB), or a copy across filesystems."""
-    try:
-        target.hardlink_to(source)
-    except OSError:
-        shutil.copy2(source, target)
+def link_fitting_wheels(flavor: str, source: Path | None, into: Path) -> None:
+    """Hard-link (wheels are hundreds of MB; a copy across filesystems) SOURCE's wheels that
+    may be offered to pip for FLAVOR (``ic.wheel_fits``) into the directory INTO."""
+    for wheel in sorted(source.glob("*.whl")) if source else []:
+        if not ic.wheel_fits(flavor, wheel.name):
+            continue
+        try:
+            (into / wheel.name).hardlink_to(wheel)
+        except OSError:
+            shutil.copy2(wheel, into / wheel.name)
+
+
+def checked_ca_bundle(ca_bundle: str) -> Path:
+    """The CA bundle's path, or a LaunchError naming a missing one."""
+    bundle = Path(ca_bundle)
+    if not bundle.is_file():
+        raise LaunchError(f"CA bundle {bundle} does not exist",
+                          hint="give the full bundle your host trusts, e.g. "
+                               "/etc/ssl/certs/ca-certificates.crt")
+    return bundle
 
 
 def stage_build_inputs(wheelhouse: str, ca_bundle: str, root: Path = ic.ROOT,
@@ -143,17 +157,9 @@ def stage_build_inputs(wheelhouse: str, ca_bundle: str, root: Path = ic.ROOT,
         raise LaunchError(f"wheelhouse {source} is not a directory",
                           hint="create it with `pip download --no-deps torch==VERSION -d DIR` "
                                "or leave --wheelhouse out")
-    for wheel in sorted(source.glob("*.whl")) if source else []:
-        if not ic.wheel_fits(flavor, wheel.name):
-            continue
-        link_or_copy(wheel, inputs / "wheelhouse" / wheel.name)
+    link_fitting_wheels(flavor, source, inputs / "wheelhouse")
     if ca_bundle:
-        bundle = Path(ca_bundle)
-        if not bundle.is_file():
-            raise LaunchError(f"CA bundle {bundle} does not exist",
-                              hint="give the full bundle your host trusts, e.g. "
-                                   "/etc/ssl/certs/ca-certificates.crt")
-        shutil.copy2(bundle, inputs / ic.CA_BUNDLE_NAME)
+        shutil.copy2(checked_ca_bundle(ca_bundle), inputs / ic.CA_BUNDLE_NAME)
     return inputs
 
 

@@ -18,22 +18,19 @@ from invoke import task
 
 from ddp_tasks import image_commands as ic
 from ddp_tasks import lock_file
-from ddp_tasks.image import docker_client, link_or_copy, stream_build, user_errors
+from ddp_tasks.image import (
+    checked_ca_bundle,
+    docker_client,
+    link_fitting_wheels,
+    stream_build,
+    user_errors,
+)
 from launcher.errors import LaunchError
 
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10: the same parser, from PyPI (the tasks extra)
     import tomli as tomllib
-
-
-def _wheelhouse_for(flavor: str, wheelhouse: Path | None, into: Path) -> bool:
-    """Link WHEELHOUSE's wheels that fit FLAVOR into INTO; whether torch is among them."""
-    into.mkdir()
-    for wheel in sorted(wheelhouse.glob("*.whl")) if wheelhouse else []:
-        if ic.wheel_fits(flavor, wheel.name):
-            link_or_copy(wheel, into / wheel.name)
-    return any(into.glob("torch-*.whl"))
 
 
 def make_lock(*, flavor: str = "cpu", base_image: str = "",
@@ -55,8 +52,10 @@ def make_lock(*, flavor: str = "cpu", base_image: str = "",
         work = Path(tmp)
         (work / "out").mkdir()
         source = ic.ROOT / wheelhouse if wheelhouse else None
-        has_torch = _wheelhouse_for(flavor, source if source and source.is_dir() else None,
-                                    work / "wheelhouse")
+        (work / "wheelhouse").mkdir()
+        link_fitting_wheels(flavor, source if source and source.is_dir() else None,
+                            work / "wheelhouse")
+        has_torch = any((work / "wheelhouse").glob("torch-*.whl"))
         environment = {"HOME": "/tmp", "PIP_NO_CACHE_DIR": "1",
                        "PIP_DISABLE_PIP_VERSION_CHECK": "1", "PIP_FIND_LINKS": "/wheelhouse"}
         index = ic.torch_index_for(flavor, has_torch)
@@ -65,11 +64,8 @@ def make_lock(*, flavor: str = "cpu", base_image: str = "",
         volumes = {str(work / "out"): {"bind": "/out", "mode": "rw"},
                    str(work / "wheelhouse"): {"bind": "/wheelhouse", "mode": "ro"}}
         if ca_bundle:
-            if not Path(ca_bundle).is_file():
-                raise LaunchError(f"CA bundle {ca_bundle} does not exist",
-                                  hint="give the full bundle your host trusts, e.g. "
-                                       "/etc/ssl/certs/ca-certificates.crt")
-            volumes[str(Path(ca_bundle).resolve())] = {"bind": "/tmp/ca.crt", "mode": "ro"}
+            volumes[str(checked_ca_bundle(ca_bundle).resolve())] = {"bind": "/tmp/ca.crt",
+                                                                    "mode": "ro"}
             environment["PIP_CERT"] = "/tmp/ca.crt"
         script = lock_file.resolver_script(wanted, f"mpi4py=={pins['MPI4PY_VERSION']}")
         print(f"resolving in {image.removeprefix('sha256:')[:12]}:\n{script}", file=out, flush=True)
