@@ -253,7 +253,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--backend", default="auto",
         help="backend(s) to test, comma-separated: " + ", ".join(BACKEND_CHOICES)
-        + " (default auto: nccl with CUDA, else gloo)",
+        + " (default auto: nccl with CUDA; on CPU mpi under mpiexec or srun --mpi=pmi2 with "
+        "the image's MPICH, else gloo)",
     )
     parser.add_argument("--timeout", type=float, default=120.0,
                         help="seconds before a collective that does not complete is an error")

@@ -85,8 +85,9 @@ class TrainConfig:
     backward); both give the same weights"""
 
     backend: str = "auto"
-    """torch.distributed backend: auto (nccl with GPUs, else gloo), gloo, nccl, mpi (native, or
-    the mpi4py backend when torch has none)"""
+    """torch.distributed backend: auto (nccl with GPUs; on CPU mpi under Hydra's mpiexec or
+    srun --mpi=pmi2 with the image's MPICH, else gloo), gloo, nccl, mpi (native, or the mpi4py
+    backend when torch has none)"""
 
     checkpoint_every: int = 50
     """save a checkpoint every N optimizer steps (0: only at the end and on preemption)"""

@@ -130,6 +130,12 @@ def _power_of_two(n: int) -> bool:
     return n & (n - 1) == 0
 
 
+def measured_faster_than_gloo(env: JobEnv, choice: MpiChoice) -> bool:
+    """Whether the mpi backend beat gloo in the benchmarks for this launch: several ranks
+    started through PMI-1/PMI-2 (Hydra's mpiexec, srun --mpi=pmi2) on the bundled MPICH."""
+    return env.is_distributed and env.pmi == "pmi" and choice.bundled_mpich
+
+
 def _offer_standard_abi(choice: MpiChoice) -> None:
     """Tell mpi4py about the image's ``MPI.mpiabi`` extension (docker/Dockerfile builds it;
     the wheel registers only its own two), so any MPI-5 standard ABI library can be loaded,

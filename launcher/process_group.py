@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from launcher import failfast, mpi_library
-from launcher.backends import select_backend
+from launcher.backends import resolve_auto, select_backend
 from launcher.env import JobEnv, local_device_index
 from launcher.errors import PeerLost, RankFailed, raised_everywhere
 from launcher.gpu_sharing import nccl_unless_gpus_are_shared
@@ -63,12 +63,12 @@ def process_group(
     A communication failure inside the body (a peer died, the network was cut, a collective
     timed out) comes out as ``PeerLost`` naming the ranks and hosts that stopped answering.
     """
-    if backend == "mpi":
-        mpi_library.start(env)
-    else:
-        mpi_library.load(env)
     cuda_available = torch.cuda.is_available()
-    name = select_backend(backend, cuda_available, dist.is_mpi_available())
+    resolved = resolve_auto(backend, cuda_available,
+                            mpi_library.measured_faster_than_gloo(env, mpi_library.load(env)))
+    if resolved == "mpi":
+        mpi_library.start(env)
+    name = select_backend(resolved, cuda_available, dist.is_mpi_available())
     device = bind_device(env, cuda_available)
     timeout = timedelta(seconds=timeout_s)
     store = None

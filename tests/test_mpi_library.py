@@ -192,3 +192,22 @@ def test_a_host_mpich_keeps_its_own_all_reduce_across_nodes(monkeypatch, tmp_pat
                               "LD_LIBRARY_PATH": str(host)}, hostname="n1")
     assert mpi_library.load(env).path == str(host / "libmpi.so.12")
     assert mpi_library.IALLREDUCE_VARIABLE not in environ
+
+
+@pytest.mark.parametrize(("environ", "faster"), [
+    (HYDRA, True),  # Hydra's mpiexec
+    ({**SLURM_STEP, "PMI_RANK": "1", "PMI_SIZE": "2", "PMI_FD": "4"}, True),  # srun pmi2
+    (OPENMPI, False),  # Open MPI's mpirun: not measured
+    ({**SLURM_STEP, "PMIX_RANK": "1", "PMIX_NAMESPACE": "slurm.pmix.7.0"}, False),
+    ({**HYDRA, "PMI_RANK": "0", "PMI_SIZE": "1", "MPI_LOCALRANKID": "0",
+      "MPI_LOCALNRANKS": "1"}, False),  # one rank: nothing to sync
+    ({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+      "MASTER_ADDR": "n1", "MASTER_PORT": "29500"}, False),  # torchrun
+])
+def test_auto_takes_mpi_where_it_was_measured_faster(bundled, environ, faster):
+    env = detect_environment(environ, hostname="n1")
+    mine = mpi_library.MpiChoice("mpich", str(mpi_library.BUNDLED_MPICH), "test")
+    assert mpi_library.measured_faster_than_gloo(env, mine) is faster
+    # a host MPI bound in was not measured: gloo
+    host = mpi_library.MpiChoice("mpich", "/host/lib/libmpi.so.12", "test")
+    assert mpi_library.measured_faster_than_gloo(env, host) is False
