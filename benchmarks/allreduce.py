@@ -49,18 +49,17 @@ import torch.distributed as dist
 from mpi4py import MPI
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from launcher import mpi_backend  # noqa: E402 - the repo root goes on sys.path first
+from benchmarks.floor import bus_factor, floor  # noqa: E402 - the repo root goes first
+from benchmarks.timing import COMM, measure  # noqa: E402
+from launcher import mpi_backend  # noqa: E402
 from launcher.models import cnn  # noqa: E402
 
-COMM = MPI.COMM_WORLD
 SIZES = [4 << 10 << (2 * i) for i in range(8)]  # 4 KiB, 16 KiB, ..., 64 MiB
 #: the gradients of the CNN: the all_reduce of each step of the weak-scaling benchmark
 BUSY_BYTES = 4 * sum(p.numel() for p in cnn().parameters())
 #: one unit of compute between busy calls: a 256 x 256 matrix product, ~0.4 ms on one core
 BUSY_UNIT = 256
 CONTENDERS = ("mpi4py", "gloo", "raw")
-#: the message of the floor measurements: large enough that latency is noise
-FLOOR_BYTES = 64 << 20
 
 
 def parse_args() -> argparse.Namespace:
@@ -90,34 +89,6 @@ def init_groups() -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
     return dist.group.WORLD, ours
 
 
-def sample(op, calls: int) -> np.ndarray:
-    """Seconds of each of ``calls`` calls of ``op``, each the slowest rank's."""
-    times = np.empty(calls)
-    for i in range(calls):
-        COMM.Barrier()
-        start = time.perf_counter()
-        op()
-        times[i] = time.perf_counter() - start
-    COMM.Allreduce(MPI.IN_PLACE, times, op=MPI.MAX)
-    return times
-
-
-def measure(ops: dict, args) -> dict[str, dict[str, float]]:
-    """Median and best seconds per call of each op, over interleaved rounds."""
-    calls = {}
-    for name, op in ops.items():
-        op()  # warm-up: connections, first touch of buffers
-        estimate = float(np.median(sample(op, 3)))
-        calls[name] = max(2, min(args.max_calls, int(args.seconds / estimate)) // args.rounds)
-    times = {name: [] for name in ops}
-    for _ in range(args.rounds):
-        for name, op in ops.items():
-            times[name].append(sample(op, calls[name]))
-    return {name: {"median": float(np.median(np.concatenate(t))),
-                   "best": float(np.min(np.concatenate(t))),
-                   "calls": int(sum(len(x) for x in t))} for name, t in times.items()}
-
-
 def allreduce_ops(nbytes: int, gloo, ours) -> dict:
     """One all_reduce of ``nbytes`` per contender, each on its own buffer of zeros (sums stay
     finite however often they run)."""
@@ -128,43 +99,6 @@ def allreduce_ops(nbytes: int, gloo, ours) -> dict:
         "gloo": lambda: dist.all_reduce(theirs, group=gloo),
         "raw": lambda: COMM.Allreduce(MPI.IN_PLACE, raw, op=MPI.SUM),
     }
-
-
-def bus_factor(ranks: int) -> float:
-    """busbw / algbw of an all_reduce (nccl-tests): the share of the data each link carries."""
-    return 2 * (ranks - 1) / ranks
-
-
-def floor(args) -> dict[str, float]:
-    """The physical limits in GB/s: the link between ranks 0 and 1 (one way), every rank's
-    link while all ranks exchange at once (as in each step of a ring), and memcpy."""
-    buffer = np.zeros(FLOOR_BYTES // 4, dtype=np.float32)
-    inbox = np.empty_like(buffer)
-    me, n = COMM.rank, COMM.size
-
-    def exchange():
-        COMM.Sendrecv(buffer, dest=(me + 1) % n, recvbuf=inbox, source=(me - 1) % n)
-
-    def pingpong():
-        if COMM.rank == 0:
-            COMM.Send(buffer, dest=1)
-            COMM.Recv(buffer, source=1)
-        elif COMM.rank == 1:
-            COMM.Recv(buffer, source=0)
-            COMM.Send(buffer, dest=0)
-
-    timed = measure({"link": pingpong, "exchange": exchange}, args)
-    round_trip = timed["link"]
-    source, target = np.ones_like(buffer), np.empty_like(buffer)
-    copies = []
-    for _ in range(10):
-        start = time.perf_counter()
-        np.copyto(target, source)
-        copies.append(time.perf_counter() - start)
-    return {"link_GBps": 2 * FLOOR_BYTES / round_trip["best"] / 1e9,
-            "link_median_GBps": 2 * FLOOR_BYTES / round_trip["median"] / 1e9,
-            "exchange_GBps": FLOOR_BYTES / timed["exchange"]["best"] / 1e9,
-            "memcpy_GBps": FLOOR_BYTES / min(copies) / 1e9}
 
 
 def allreduce_table(gloo, ours, args, limits: dict[str, float]) -> list[dict]:

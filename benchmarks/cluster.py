@@ -34,7 +34,8 @@ from benchmarks import cluster_scaling, imb, plots  # noqa: E402
 from ddp_tasks import cluster as cl  # noqa: E402
 
 GOALS = {"first_step_s": 5.0, "mpi_weak_scaling_efficiency": 0.85}
-ALLREDUCE = ROOT / "benchmarks" / "allreduce.py"
+#: benchmarks/allreduce.py and the modules it imports from benchmarks/ (launcher/ is in the image)
+ALLREDUCE = [ROOT / "benchmarks" / name for name in ("allreduce.py", "floor.py", "timing.py")]
 FIRST_STEP = re.compile(r"\bstep 1\b")
 RUN_TIMEOUT = 600
 
@@ -62,16 +63,17 @@ def time_to_first_step(project: str, prefix: str, nodes: int) -> tuple[float, fl
     return first, time.monotonic() - start
 
 
-def allreduce(prefix: str, nodes: int) -> dict | None:
-    """benchmarks/allreduce.py across the nodes, one rank each; its JSON, or None without it."""
-    if not ALLREDUCE.exists():
-        return None
+def allreduce(prefix: str, nodes: int) -> dict:
+    """benchmarks/allreduce.py across the nodes, one rank each; its JSON."""
     node0 = prefix + "node0"
-    subprocess.run(["docker", "cp", str(ALLREDUCE), f"{node0}:/shared/allreduce.py"],
-                   check=True, timeout=60)
+    subprocess.run(["docker", "exec", node0, "mkdir", "-p", "/shared/benchmarks"], check=True,
+                   timeout=60)
+    for path in ALLREDUCE:
+        subprocess.run(["docker", "cp", str(path), f"{node0}:/shared/benchmarks/{path.name}"],
+                       check=True, timeout=60)
     table = subprocess.run(
         ["docker", "exec", node0, *cl.mpiexec_one_per_node(cl.hosts(nodes)), "python",
-         "/shared/allreduce.py", "--json", "/shared/allreduce.json"], check=True,
+         "/shared/benchmarks/allreduce.py", "--json", "/shared/allreduce.json"], check=True,
         timeout=RUN_TIMEOUT, capture_output=True, text=True).stdout
     text = subprocess.run(["docker", "exec", node0, "cat", "/shared/allreduce.json"],
                           check=True, capture_output=True, text=True, timeout=60).stdout
@@ -117,7 +119,7 @@ def main() -> int:
         results["first_step_s"], results["run_s"] = time_to_first_step(project, prefix,
                                                                        args.nodes)
         results["allreduce"] = allreduce(prefix, args.nodes)
-        if args.imb and results["allreduce"]:
+        if args.imb:
             results["allreduce"]["imb_us"] = imb_across(prefix, args.nodes, args.imb)
         if args.scaling_repeats:
             results["weak_scaling"] = cluster_scaling.weak_scaling(
@@ -137,17 +139,14 @@ def main() -> int:
     for name, value, goal in rows:
         ok = "" if goal is None else ("yes" if value <= goal else "NO")
         print(f"{name:44} {value:>7.2f} s  {'' if goal is None else f'<= {goal} s':>8}  {ok}")
-    if results["allreduce"] is None:
-        print(f"all_reduce: skipped, {ALLREDUCE.relative_to(ROOT)} is not there")
-    else:
-        # the nodes have no matplotlib: the table came from node0, the plot is drawn here
-        print(results["allreduce"].pop("table"))
-        if "imb_us" in results["allreduce"]:
-            imb.print_table(imb.compare(results["allreduce"]["imb_us"], results["allreduce"]),
-                            f"{args.nodes} nodes, one rank each")
-        across = Path(args.json).with_name(f"allreduce-{args.nodes}node.json")
-        across.write_text(json.dumps(results["allreduce"], indent=2) + "\n")
-        print(f"wrote {across} and {plots.allreduce(results['allreduce'], across)}")
+    # the nodes have no matplotlib: the table came from node0, the plot is drawn here
+    print(results["allreduce"].pop("table"))
+    if "imb_us" in results["allreduce"]:
+        imb.print_table(imb.compare(results["allreduce"]["imb_us"], results["allreduce"]),
+                        f"{args.nodes} nodes, one rank each")
+    across = Path(args.json).with_name(f"allreduce-{args.nodes}node.json")
+    across.write_text(json.dumps(results["allreduce"], indent=2) + "\n")
+    print(f"wrote {across} and {plots.allreduce(results['allreduce'], across)}")
     if "weak_scaling" in results:
         scaling = results["weak_scaling"]
         cluster_scaling.print_table(scaling)
