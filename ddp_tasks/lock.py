@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -45,11 +46,15 @@ def make_lock(*, flavor: str = "cpu", base_image: str = "",
     client = docker_client()
     print(f"building the python stage of docker/Dockerfile on {base_image or 'its default base'}",
           file=out, flush=True)
-    image = stream_build(client, out=out, path=str(ic.ROOT), dockerfile="docker/Dockerfile",
-                         target="python",
-                         buildargs={"BASE_IMAGE": base_image} if base_image else {})
     with tempfile.TemporaryDirectory(prefix="ddp-lock-") as tmp:
         work = Path(tmp)
+        # the python stage copies nothing in: a context of the Dockerfile alone, rather than
+        # the checkout with its build inputs (hundreds of MB of wheels)
+        (work / "context").mkdir()
+        shutil.copy(ic.ROOT / "docker" / "Dockerfile", work / "context" / "Dockerfile")
+        image = stream_build(client, out=out, path=str(work / "context"),
+                             dockerfile="Dockerfile", target="python",
+                             buildargs={"BASE_IMAGE": base_image} if base_image else {})
         (work / "out").mkdir()
         source = ic.ROOT / wheelhouse if wheelhouse else None
         (work / "wheelhouse").mkdir()
