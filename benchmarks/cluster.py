@@ -30,12 +30,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks import cluster_scaling, imb, plots  # noqa: E402
+from benchmarks import cluster_scaling, imb, plots, rank_side  # noqa: E402
 from ddp_tasks import cluster as cl  # noqa: E402
 
 GOALS = {"first_step_s": 5.0, "mpi_weak_scaling_efficiency": 0.85}
-#: benchmarks/allreduce.py and the modules it imports from benchmarks/ (launcher/ is in the image)
-ALLREDUCE = [ROOT / "benchmarks" / name for name in ("allreduce.py", "floor.py", "timing.py")]
 FIRST_STEP = re.compile(r"\bstep 1\b")
 RUN_TIMEOUT = 600
 
@@ -66,14 +64,10 @@ def time_to_first_step(project: str, prefix: str, nodes: int) -> tuple[float, fl
 def allreduce(prefix: str, nodes: int) -> dict:
     """benchmarks/allreduce.py across the nodes, one rank each; its JSON."""
     node0 = prefix + "node0"
-    subprocess.run(["docker", "exec", node0, "mkdir", "-p", "/shared/benchmarks"], check=True,
-                   timeout=60)
-    for path in ALLREDUCE:
-        subprocess.run(["docker", "cp", str(path), f"{node0}:/shared/benchmarks/{path.name}"],
-                       check=True, timeout=60)
+    scripts = rank_side.copy_to(node0)
     table = subprocess.run(
         ["docker", "exec", node0, *cl.mpiexec_one_per_node(cl.hosts(nodes)), "python",
-         "/shared/benchmarks/allreduce.py", "--json", "/shared/allreduce.json"], check=True,
+         f"{scripts}/allreduce.py", "--json", "/shared/allreduce.json"], check=True,
         timeout=RUN_TIMEOUT, capture_output=True, text=True).stdout
     text = subprocess.run(["docker", "exec", node0, "cat", "/shared/allreduce.json"],
                           check=True, capture_output=True, text=True, timeout=60).stdout

@@ -25,7 +25,6 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-HERE = Path(__file__).resolve().parent
 ALGORITHM = "MPIR_CVAR_IALLREDUCE_INTRA_ALGORITHM"
 RUN_TIMEOUT = 600
 
@@ -35,20 +34,23 @@ VARIANTS = [("MPICH's own choice", "auto"), ("ring (tsp_ring)", "tsp_ring")]
 
 def rank_side(args) -> None:
     """One variant's job: the backend's all_reduce per size; rank 0 prints one JSON line."""
-    sys.path.insert(0, str(HERE))
-    import allreduce  # noqa: PLC0415 - benchmarks/allreduce.py beside this file
+    sys.path.insert(0, str(ROOT))
     import torch
     import torch.distributed as dist
 
+    from benchmarks import allreduce
+    from benchmarks.floor import bus_factor
+    from benchmarks.timing import COMM, measure
+
     _, ours = allreduce.init_groups()
-    bus = allreduce.bus_factor(allreduce.COMM.size)
+    bus = bus_factor(COMM.size)
     row = {}
     for nbytes in allreduce.SIZES:
         buffer = torch.zeros(nbytes // 4)
-        stats = allreduce.measure({"mpi4py": lambda b=buffer: dist.all_reduce(b, group=ours)},
-                                  args)["mpi4py"]
+        stats = measure({"mpi4py": lambda b=buffer: dist.all_reduce(b, group=ours)},
+                        args)["mpi4py"]
         row[nbytes] = nbytes / stats["median"] / 1e9 * bus
-    if allreduce.COMM.rank == 0:
+    if COMM.rank == 0:
         print("RESULT " + json.dumps(row), flush=True)
     dist.destroy_process_group()
 
@@ -129,18 +131,17 @@ def main() -> int:
 def across_nodes(args, variants: list) -> dict:
     """The jobs on a compose cluster started for them, with both scripts on its shared volume."""
     sys.path.insert(0, str(ROOT))
+    from benchmarks import rank_side
     from ddp_tasks import cluster as cl
 
     project = f"ddptuning{os.getpid()}"
     prefix = f"{project}-"
     try:
         cl.up_mpi(args.nodes, project, prefix, args.image)
-        for script in ("allreduce.py", "tuning.py"):
-            subprocess.run(["docker", "cp", str(HERE / script), f"{prefix}node0:/shared/"],
-                           check=True, timeout=60)
+        scripts = rank_side.copy_to(f"{prefix}node0")
         launch = ["docker", "exec", f"{prefix}node0", *cl.mpiexec_one_per_node(
             cl.hosts(args.nodes))]
-        return compare(launch, ["python", "/shared/tuning.py"], variants, args.rounds,
+        return compare(launch, ["python", f"{scripts}/tuning.py"], variants, args.rounds,
                        args.seconds)
     finally:
         left = cl.remove(project, cl.mpi_compose_file(args.nodes, project))
