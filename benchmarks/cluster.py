@@ -99,7 +99,10 @@ def main() -> int:
                         help="rounds of the weak-scaling runs (0: none)")
     parser.add_argument("--imb", metavar="PREFIX",
                         help="also run IMB-MPI1 Allreduce across the nodes with the Intel MPI "
-                        "installed at PREFIX (pip install --prefix PREFIX impi-rt)")
+                        "installed at PREFIX (pip install --prefix PREFIX impi-rt), taking "
+                        "turns with the all_reduce benchmark")
+    parser.add_argument("--imb-rounds", type=int, default=3,
+                        help="with --imb: jobs of each, taking turns")
     parser.add_argument("--backends", default="mpi,gloo",
                         help="backends of the weak-scaling runs, comma-separated")
     args = parser.parse_args()
@@ -112,9 +115,12 @@ def main() -> int:
         results["healthy_s"] = cl.up_mpi(args.nodes, project, prefix, args.image)
         results["first_step_s"], results["run_s"] = time_to_first_step(project, prefix,
                                                                        args.nodes)
-        results["allreduce"] = allreduce(prefix, args.nodes)
         if args.imb:
-            results["allreduce"]["imb_us"] = imb_across(prefix, args.nodes, args.imb)
+            results["allreduce"], results["imb"] = imb.alternate(
+                lambda: allreduce(prefix, args.nodes),
+                lambda: imb_across(prefix, args.nodes, args.imb), args.imb_rounds)
+        else:
+            results["allreduce"] = allreduce(prefix, args.nodes)
         if args.scaling_repeats:
             results["weak_scaling"] = cluster_scaling.weak_scaling(
                 prefix, cl.hosts(args.nodes), args.backends.split(","), args.scaling_repeats)
@@ -135,9 +141,9 @@ def main() -> int:
         print(f"{name:44} {value:>7.2f} s  {'' if goal is None else f'<= {goal} s':>8}  {ok}")
     # the nodes have no matplotlib: the table came from node0, the plot is drawn here
     print(results["allreduce"].pop("table"))
-    if "imb_us" in results["allreduce"]:
-        imb.print_table(imb.compare(results["allreduce"]["imb_us"], results["allreduce"]),
-                        f"{args.nodes} nodes, one rank each")
+    if "imb" in results:
+        imb.print_table(results["imb"], f"{args.nodes} nodes, one rank each")
+        results["allreduce"]["imb"] = results["imb"]
     across = Path(args.json).with_name(f"allreduce-{args.nodes}node.json")
     across.write_text(json.dumps(results["allreduce"], indent=2) + "\n")
     print(f"wrote {across} and {plots.allreduce(results['allreduce'], across)}")

@@ -1,16 +1,15 @@
 """A second reference: Intel MPI's own benchmark, ``IMB-MPI1 Allreduce``, from the impi-rt wheel.
 
     pip install --prefix ~/impi impi-rt
-    .venv/bin/python benchmarks/imb.py --prefix ~/impi \
-        --against benchmarks/results/allreduce.json --json benchmarks/results/imb.json
+    .venv/bin/python benchmarks/imb.py --prefix ~/impi --json benchmarks/results/imb.json
 
-Runs IMB-MPI1 Allreduce (float32 MPI_SUM, 4 KiB to 64 MiB) with Intel MPI's own mpiexec on 2
-ranks of this machine (shared memory) and prints its average time per call beside the mpi
-backend's and raw mpi4py's from an all_reduce JSON of benchmarks/allreduce.py.
-``benchmarks/cluster.py --imb PREFIX`` runs the same across the cluster's nodes (Intel MPI over
-libfabric's tcp provider, started over ssh), right after the all_reduce table. IMB reports the
-mean of every rank's average over the calls, not a median: a reference, not a contender of the
-interleaved run.
+IMB-MPI1 Allreduce (float32 MPI_SUM, 4 KiB to 64 MiB) with Intel MPI's own mpiexec on 2 ranks
+of this machine (shared memory), taking turns with benchmarks/allreduce.py (the mpi backend and
+raw mpi4py over the venv's MPICH): the two need different MPIs, hence different jobs, so they
+alternate job by job, ``--rounds`` times each. Each size's row gives the medians over the rounds
+and the median of each round's ratio IMB / backend. ``benchmarks/cluster.py --imb PREFIX`` does
+the same across the cluster's nodes (Intel MPI over libfabric's tcp provider, started over
+ssh). IMB reports the mean of every rank's average over the calls, on a cache-warm buffer.
 """
 
 from __future__ import annotations
@@ -18,14 +17,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
+import statistics
 import subprocess
 import sys
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 #: 4 KiB to 64 MiB, the sizes of benchmarks/allreduce.py
 MSGLOG = "12:26"
 ITERATIONS = "100"
 TIMEOUT = 600
+HERE = Path(__file__).resolve().parent
 
 
 def imb_argv(prefix: str, ranks: int, hosts: list[str] | None = None,
@@ -56,16 +60,39 @@ def parse(output: str) -> dict[int, float]:
     return rows
 
 
-def compare(imb: dict[int, float], allreduce: dict) -> list[dict]:
-    """One row per size of the all_reduce result that IMB measured too."""
-    return [{"bytes": row["bytes"], "imb_us": imb[row["bytes"]],
-             "mpi4py_median_us": row["mpi4py_median_us"], "raw_median_us": row["raw_median_us"],
-             "imb_vs_mpi4py": imb[row["bytes"]] / row["mpi4py_median_us"]}
-            for row in allreduce["allreduce"] if row["bytes"] in imb]
+def alternate(run_allreduce: Callable[[], dict], run_imb: Callable[[], dict[int, float]],
+              rounds: int) -> tuple[dict, list[dict]]:
+    """The all_reduce job and IMB taking turns, ROUNDS times each: the last all_reduce result
+    (benchmarks/allreduce.py's JSON) and the rows that compare the two."""
+    runs = []
+    for _ in range(rounds):
+        result = run_allreduce()
+        runs.append((result, run_imb()))
+    return result, compare(runs)
+
+
+def compare(runs: list[tuple[dict, dict[int, float]]]) -> list[dict]:
+    """Per size that IMB measured too: medians over the rounds, and the median of the rounds'
+    ratios IMB / backend (each from one round, side by side)."""
+    rows = []
+    for size in (row["bytes"] for row in runs[0][0]["allreduce"]):
+        if size not in runs[0][1]:
+            continue
+        ours = [next(r for r in result["allreduce"] if r["bytes"] == size) for result, _ in runs]
+        theirs = [imb[size] for _, imb in runs]
+        rows.append({
+            "bytes": size, "rounds": len(runs),
+            "imb_us": statistics.median(theirs),
+            "mpi4py_median_us": statistics.median(r["mpi4py_median_us"] for r in ours),
+            "raw_median_us": statistics.median(r["raw_median_us"] for r in ours),
+            "imb_vs_mpi4py": statistics.median(t / r["mpi4py_median_us"]
+                                               for t, r in zip(theirs, ours, strict=True))})
+    return rows
 
 
 def print_table(rows: list[dict], where: str) -> None:
-    print(f"\nIMB-MPI1 Allreduce (Intel MPI, {where}) beside the mpi backend: us per call")
+    print(f"\nIMB-MPI1 Allreduce (Intel MPI, {where}) beside the mpi backend, taking turns: "
+          f"us per call, median of {rows[0]['rounds']} rounds")
     print(f"{'size':>8} {'IMB avg':>10} {'mpi backend':>12} {'raw mpi4py':>11} "
           f"{'IMB / backend':>14}")
     for r in rows:
@@ -79,14 +106,27 @@ def print_table(rows: list[dict], where: str) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prefix", required=True, help="where impi-rt is installed (--prefix)")
-    parser.add_argument("--against", type=Path, required=True,
-                        help="an all_reduce JSON of benchmarks/allreduce.py (2 ranks, here)")
+    parser.add_argument("--rounds", type=int, default=3, help="jobs of each, taking turns")
+    parser.add_argument("--allreduce-args", default="",
+                        help="more arguments for benchmarks/allreduce.py, e.g. '--seconds 0.2'")
     parser.add_argument("--json", type=Path, help="write the rows here")
     args = parser.parse_args()
     env = {**os.environ, "LD_LIBRARY_PATH": f"{args.prefix}/lib"}
-    output = subprocess.run(imb_argv(args.prefix, 2), env=env, check=True, capture_output=True,
-                            text=True, timeout=TIMEOUT).stdout
-    rows = compare(parse(output), json.loads(args.against.read_text()))
+    with tempfile.TemporaryDirectory(prefix="ddp-imb-") as tmp:
+        out = Path(tmp) / "allreduce.json"
+        allreduce_argv = [str(Path(sys.executable).parent / "mpiexec"), "-n", "2",
+                          sys.executable, str(HERE / "allreduce.py"), "--json", str(out),
+                          *shlex.split(args.allreduce_args)]
+
+        def run_allreduce() -> dict:
+            subprocess.run(allreduce_argv, check=True, capture_output=True, timeout=TIMEOUT)
+            return json.loads(out.read_text())
+
+        def run_imb() -> dict[int, float]:
+            return parse(subprocess.run(imb_argv(args.prefix, 2), env=env, check=True,
+                                        capture_output=True, text=True, timeout=TIMEOUT).stdout)
+
+        _, rows = alternate(run_allreduce, run_imb, args.rounds)
     print_table(rows, "2 ranks, one node")
     if args.json:
         args.json.write_text(json.dumps({"command": " ".join(sys.argv), "rows": rows},

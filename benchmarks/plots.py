@@ -34,12 +34,11 @@ def allreduce(result: dict, path: Path) -> Path:
     for name, label in SERIES.items():
         axes.plot(sizes, [row[f"{name}_median_busGBps"] for row in rows], marker="o",
                   label=label)
-    imb = result.get("imb_us")  # benchmarks/cluster.py --imb: Intel MPI's IMB-MPI1
+    imb = result.get("imb")  # benchmarks/cluster.py --imb: Intel MPI's IMB-MPI1
     if imb:
         factor = 2 * (result["world_size"] - 1) / result["world_size"]
-        # JSON keys are strings
-        points = sorted((int(size), us) for size, us in imb.items() if int(size) in sizes)
-        axes.plot([p[0] for p in points], [p[0] / p[1] / 1e3 * factor for p in points],
+        axes.plot([r["bytes"] for r in imb], [r["bytes"] / r["imb_us"] / 1e3 * factor
+                                               for r in imb],
                   marker="x", linestyle="-.", label="IMB-MPI1 Allreduce (Intel MPI)")
     link = result["floor"]["link_GBps"]
     axes.axhline(link, color="black", linestyle="--",

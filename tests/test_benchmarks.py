@@ -12,6 +12,7 @@ import sys
 
 import pytest
 
+from benchmarks import imb
 from tests.fixtures.mpi import REPO_ROOT, clean_environ, run_mpi
 
 pytestmark = pytest.mark.mpi
@@ -90,21 +91,31 @@ def test_container_cost_benchmark_compares_venv_and_ch_run(ch_image, tmp_path):
     assert "1.00x = the same speed as the venv" in result.stdout
 
 
-def test_imb_reference_runs_intel_mpis_own_benchmark(impi_prefix, tmp_path):
-    against = tmp_path / "allreduce.json"
-    against.write_text(json.dumps({"allreduce": [
-        {"bytes": 4 << 10, "mpi4py_median_us": 10.0, "raw_median_us": 5.0},
-        {"bytes": 3, "mpi4py_median_us": 1.0, "raw_median_us": 1.0}]}))  # IMB has no 3 B
+def test_imb_takes_turns_with_the_allreduce_benchmark(impi_prefix, tmp_path):
     out = tmp_path / "imb.json"
     result = subprocess.run(
-        [sys.executable, "benchmarks/imb.py", "--prefix", str(impi_prefix), "--against",
-         str(against), "--json", str(out)],
+        [sys.executable, "benchmarks/imb.py", "--prefix", str(impi_prefix), "--rounds", "2",
+         "--allreduce-args", "--seconds 0.02 --rounds 1 --busy-calls 20", "--json", str(out)],
         cwd=REPO_ROOT, env=clean_environ(), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
-    [row] = json.loads(out.read_text())["rows"]
-    assert row["bytes"] == 4 << 10 and row["imb_us"] > 0
-    assert row["imb_vs_mpi4py"] == pytest.approx(row["imb_us"] / 10.0)
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["bytes"] for row in rows] == [4 << 10 << 2 * i for i in range(8)]
+    for row in rows:
+        assert row["rounds"] == 2 and row["imb_us"] > 0 and row["mpi4py_median_us"] > 0
     assert "IMB-MPI1 Allreduce (Intel MPI, 2 ranks, one node)" in result.stdout
+
+
+def test_imb_rows_take_the_median_of_each_rounds_ratio():
+    def run(ours_us: float, imb_us: float) -> tuple[dict, dict[int, float]]:
+        allreduce = {"allreduce": [{"bytes": 4096, "mpi4py_median_us": ours_us,
+                                    "raw_median_us": 1.0},
+                                   {"bytes": 3, "mpi4py_median_us": 1.0, "raw_median_us": 1.0}]}
+        return allreduce, {4096: imb_us, 8192: 1.0}  # IMB has no 3 B; 8 KiB is not ours
+
+    [row] = imb.compare([run(10.0, 20.0), run(40.0, 40.0), run(20.0, 80.0)])
+    # ratios 2, 1, 4 in the rounds: their median, not the ratio of the medians (40 / 20)
+    assert row == {"bytes": 4096, "rounds": 3, "imb_us": 40.0, "mpi4py_median_us": 20.0,
+                   "raw_median_us": 1.0, "imb_vs_mpi4py": 2.0}
 
 
 def test_tuning_benchmark_compares_each_variant_with_the_first(tmp_path):
