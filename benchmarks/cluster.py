@@ -9,7 +9,9 @@ benchmarks/allreduce.py across the nodes, one rank each (gloo, the mpi4py backen
 mpi4py against the link's floor), the CNN's weak scaling with each backend
 (benchmarks/cluster_scaling.py), tears the cluster down, prints the tables and writes JSON;
 the all_reduce result also as ``allreduce-<N>node.json`` and the weak scaling as
-``scaling-<N>node.json``, each with its plot beside it.
+``scaling-<N>node.json``, each with its plot beside it. With ``--imb PREFIX`` the all_reduce
+job takes turns with Intel MPI's IMB-MPI1 (benchmarks/imb.py), ``--imb-rounds`` jobs of each;
+the all_reduce table is the last round's.
 Goals: the first training step less than 5 s after the cluster is healthy; weak-scaling
 efficiency >= 0.85 with mpi.
 """
