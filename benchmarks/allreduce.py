@@ -49,8 +49,9 @@ import torch.distributed as dist
 from mpi4py import MPI
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.floor import bus_factor, floor  # noqa: E402 - the repo root goes first
+from benchmarks.floor import floor  # noqa: E402 - the repo root goes first
 from benchmarks.timing import COMM, measure  # noqa: E402
+from benchmarks.units import bus_factor, human  # noqa: E402
 from launcher import mpi_backend  # noqa: E402
 from launcher.models import cnn  # noqa: E402
 
@@ -173,10 +174,6 @@ def pingpong_ops(gloo, ours) -> dict:
             COMM.Send(raw, dest=0)
 
     return {"mpi4py": over(ours, mine), "gloo": over(gloo, theirs), "raw": raw_run}
-
-
-def human(nbytes: int) -> str:
-    return f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB"
 
 
 def print_table(rows: list[dict], latency: dict, busy: dict, limits: dict) -> None:

@@ -118,9 +118,10 @@ def main() -> int:
         results["first_step_s"], results["run_s"] = time_to_first_step(project, prefix,
                                                                        args.nodes)
         if args.imb:
-            results["allreduce"], results["imb"] = imb.alternate(
+            results["allreduce"], rows = imb.alternate(
                 lambda: allreduce(prefix, args.nodes),
                 lambda: imb_across(prefix, args.nodes, args.imb), args.imb_rounds)
+            results["allreduce"]["imb"] = rows
         else:
             results["allreduce"] = allreduce(prefix, args.nodes)
         if args.scaling_repeats:
@@ -143,9 +144,8 @@ def main() -> int:
         print(f"{name:44} {value:>7.2f} s  {'' if goal is None else f'<= {goal} s':>8}  {ok}")
     # the nodes have no matplotlib: the table came from node0, the plot is drawn here
     print(results["allreduce"].pop("table"))
-    if "imb" in results:
-        imb.print_table(results["imb"], f"{args.nodes} nodes, one rank each")
-        results["allreduce"]["imb"] = results["imb"]
+    if "imb" in results["allreduce"]:
+        imb.print_table(results["allreduce"]["imb"], f"{args.nodes} nodes, one rank each")
     across = Path(args.json).with_name(f"allreduce-{args.nodes}node.json")
     across.write_text(json.dumps(results["allreduce"], indent=2) + "\n")
     print(f"wrote {across} and {plots.allreduce(results['allreduce'], across)}")

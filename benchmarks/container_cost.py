@@ -33,6 +33,11 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # also inside ch-run, where the checkout is bound at MOUNT
+
+from benchmarks import rank_side  # noqa: E402
+from benchmarks.units import human  # noqa: E402
+
 SIZES = (1 << 20, 16 << 20)
 #: where the repository is bound in the image (one of its empty mount points)
 MOUNT = "/scratch"
@@ -63,17 +68,18 @@ def worker(sizes: list[int], calls: int) -> None:
                 times.append(elapsed.item())
             result[str(nbytes)] = float(np.median(times[3:]))  # the first calls warm up
         if ctx.env.is_main:
-            print("RESULT " + json.dumps(result), flush=True)
+            rank_side.report(result)
 
 
-def contenders(image: Path, mpiexec: Path) -> dict[str, tuple[list[str], dict[str, str]]]:
+def contenders(image: Path) -> dict[str, tuple[list[str], dict[str, str]]]:
     """name -> (argv before the worker's arguments, extra environment)."""
     here = Path(__file__).relative_to(ROOT)
-    venv = [str(mpiexec), "-n", "2", sys.executable, str(ROOT / here)]
+    mpiexec = rank_side.local_mpiexec(2)
+    venv = [*mpiexec, sys.executable, str(ROOT / here)]
 
     def ch_run(*options: str) -> list[str]:
         # options after the plain --set-env, so that an option's variable beats the image's
-        return [str(mpiexec), "-n", "2", "ch-run", "-b", f"{ROOT}:{MOUNT}", "--set-env",
+        return [*mpiexec, "ch-run", "-b", f"{ROOT}:{MOUNT}", "--set-env",
                 *options, str(image), "--", "python", f"{MOUNT}/{here}"]
 
     return {
@@ -91,12 +97,7 @@ def run_once(argv: list[str], extra: dict[str, str], calls: int) -> dict[str, fl
            "PYTHONPATH": str(ROOT)}
     out = subprocess.run([*argv, "--worker", "--calls", str(calls)], env=env, check=True,
                          capture_output=True, text=True, timeout=600).stdout
-    line = next(line for line in out.splitlines() if line.startswith("RESULT "))
-    return {int(k): v for k, v in json.loads(line.removeprefix("RESULT ")).items()}
-
-
-def human(nbytes: int) -> str:
-    return f"{nbytes >> 20} MiB"
+    return rank_side.result_of(out)
 
 
 def main() -> None:
@@ -112,7 +113,7 @@ def main() -> None:
         return
     if args.image is None:
         parser.error("--image DIR is required (make it with `invoke chimage`)")
-    runs = contenders(args.image.resolve(), Path(sys.executable).parent / "mpiexec")
+    runs = contenders(args.image.resolve())
     samples: dict[str, list[dict[int, float]]] = {name: [] for name in runs}
     for round_index in range(args.rounds):
         for name, (argv, extra) in runs.items():

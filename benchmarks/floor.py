@@ -1,6 +1,6 @@
 """What the hardware allows an all_reduce, measured on the ranks of the benchmark (see
 benchmarks/allreduce.py): the link between ranks 0 and 1, every rank's bandwidth while all
-ranks exchange at once, one core's memcpy, and the bus factor that relates them."""
+ranks exchange at once, and one core's memcpy."""
 
 from __future__ import annotations
 
@@ -12,11 +12,6 @@ from benchmarks.timing import COMM, measure
 
 #: the message of the floor measurements: large enough that latency is noise
 FLOOR_BYTES = 64 << 20
-
-
-def bus_factor(ranks: int) -> float:
-    """busbw / algbw of an all_reduce (nccl-tests): the share of the data each link carries."""
-    return 2 * (ranks - 1) / ranks
 
 
 def floor(args) -> dict[str, float]:

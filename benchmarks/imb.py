@@ -30,6 +30,10 @@ MSGLOG = "12:26"
 ITERATIONS = "100"
 TIMEOUT = 600
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+from benchmarks import rank_side  # noqa: E402
+from benchmarks.units import human  # noqa: E402
 
 
 def imb_argv(prefix: str, ranks: int, hosts: list[str] | None = None,
@@ -97,8 +101,7 @@ def print_table(rows: list[dict], where: str) -> None:
           f"{'IMB / backend':>14}")
     for r in rows:
         size = r["bytes"]
-        human = f"{size >> 20} MiB" if size >= 1 << 20 else f"{size >> 10} KiB"
-        print(f"{human:>8} {r['imb_us']:>10.1f} {r['mpi4py_median_us']:>12.1f} "
+        print(f"{human(size):>8} {r['imb_us']:>10.1f} {r['mpi4py_median_us']:>12.1f} "
               f"{r['raw_median_us']:>11.1f} {r['imb_vs_mpi4py']:>13.2f}x")
     print("IMB / backend > 1: the mpi backend (over the image's MPICH) is faster than Intel MPI")
 
@@ -114,8 +117,8 @@ def main() -> int:
     env = {**os.environ, "LD_LIBRARY_PATH": f"{args.prefix}/lib"}
     with tempfile.TemporaryDirectory(prefix="ddp-imb-") as tmp:
         out = Path(tmp) / "allreduce.json"
-        allreduce_argv = [str(Path(sys.executable).parent / "mpiexec"), "-n", "2",
-                          sys.executable, str(HERE / "allreduce.py"), "--json", str(out),
+        allreduce_argv = [*rank_side.local_mpiexec(2), sys.executable,
+                          str(HERE / "allreduce.py"), "--json", str(out),
                           *shlex.split(args.allreduce_args)]
 
         def run_allreduce() -> dict:

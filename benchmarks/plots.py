@@ -13,6 +13,9 @@ import json
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.units import bus_factor, human  # noqa: E402
+
 SERIES = {"mpi4py": "mpi backend (mpi4py)", "gloo": "gloo", "raw": "raw mpi4py Allreduce"}
 
 
@@ -36,7 +39,7 @@ def allreduce(result: dict, path: Path) -> Path:
                   label=label)
     imb = result.get("imb")  # benchmarks/cluster.py --imb: Intel MPI's IMB-MPI1
     if imb:
-        factor = 2 * (result["world_size"] - 1) / result["world_size"]
+        factor = bus_factor(result["world_size"])
         axes.plot([r["bytes"] for r in imb], [r["bytes"] / r["imb_us"] / 1e3 * factor
                                                for r in imb],
                   marker="x", linestyle="-.", label="IMB-MPI1 Allreduce (Intel MPI)")
@@ -48,8 +51,7 @@ def allreduce(result: dict, path: Path) -> Path:
         axes.axhline(exchange, color="grey", linestyle=":",
                      label=f"each rank while all exchange at once ({exchange:.2f} GB/s)")
     axes.set_xscale("log", base=2)
-    axes.set_xticks(sizes, [f"{s >> 20} MiB" if s >= 1 << 20 else f"{s >> 10} KiB"
-                            for s in sizes], rotation=30)
+    axes.set_xticks(sizes, [human(s) for s in sizes], rotation=30)
     axes.set_xlabel("all_reduce message (float32)")
     axes.set_ylabel("bus bandwidth of the median call (GB/s)")
     nodes = result.get("nodes", 1)

@@ -25,6 +25,11 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks import rank_side  # noqa: E402
+from benchmarks.units import bus_factor, human  # noqa: E402
+
 ALGORITHM = "MPIR_CVAR_IALLREDUCE_INTRA_ALGORITHM"
 RUN_TIMEOUT = 600
 
@@ -32,14 +37,12 @@ RUN_TIMEOUT = 600
 VARIANTS = [("MPICH's own choice", "auto"), ("ring (tsp_ring)", "tsp_ring")]
 
 
-def rank_side(args) -> None:
+def variant_job(args) -> None:
     """One variant's job: the backend's all_reduce per size; rank 0 prints one JSON line."""
-    sys.path.insert(0, str(ROOT))
     import torch
     import torch.distributed as dist
 
     from benchmarks import allreduce
-    from benchmarks.floor import bus_factor
     from benchmarks.timing import COMM, measure
 
     _, ours = allreduce.init_groups()
@@ -51,7 +54,7 @@ def rank_side(args) -> None:
                         args)["mpi4py"]
         row[nbytes] = nbytes / stats["median"] / 1e9 * bus
     if COMM.rank == 0:
-        print("RESULT " + json.dumps(row), flush=True)
+        rank_side.report(row)
     dist.destroy_process_group()
 
 
@@ -65,8 +68,7 @@ def run_job(argv: list[str]) -> dict[int, float]:
     done = subprocess.run(argv, capture_output=True, text=True, timeout=RUN_TIMEOUT, cwd=ROOT)
     if done.returncode != 0:
         raise SystemExit(f"failed ({done.returncode}): {' '.join(argv)}\n{done.stderr}")
-    line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))
-    return {int(k): v for k, v in json.loads(line[len("RESULT "):]).items()}
+    return rank_side.result_of(done.stdout)
 
 
 def compare(launch: list[str], script: list[str], variants: list, rounds: int,
@@ -87,10 +89,9 @@ def compare(launch: list[str], script: list[str], variants: list, rounds: int,
 
 def print_table(result: dict, where: str) -> None:
     sizes = sorted(next(iter(result["busGBps"].values())))
-    human = [f"{s >> 20} MiB" if s >= 1 << 20 else f"{s >> 10} KiB" for s in sizes]
     print(f"\nmpi backend all_reduce, {where}: bus GB/s (median of {result['rounds']} rounds), "
           "and x the first row")
-    print(f"{'variant':20}" + "".join(f"{h:>15}" for h in human))
+    print(f"{'variant':20}" + "".join(f"{human(s):>15}" for s in sizes))
     for label, row in result["busGBps"].items():
         ratios = result["vs_first"][label]
         print(f"{label:20}" + "".join(f"{row[s]:>7.2f} ({ratios[s]:.2f}x)" for s in sizes))
@@ -108,12 +109,12 @@ def main() -> int:
     parser.add_argument("--max-calls", type=int, default=2000, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rank_side:
-        rank_side(args)
+        variant_job(args)
         return 0
 
     if args.nodes == 1:
         where = "2 ranks on one node"
-        launch = [str(Path(sys.executable).parent / "mpiexec"), "-n", "2"]
+        launch = rank_side.local_mpiexec(2)
         result = compare(launch, [sys.executable, str(Path(__file__).resolve())], VARIANTS,
                          args.rounds, args.seconds)
     else:
@@ -131,7 +132,6 @@ def main() -> int:
 def across_nodes(args, variants: list) -> dict:
     """The jobs on a compose cluster started for them, with both scripts on its shared volume."""
     sys.path.insert(0, str(ROOT))
-    from benchmarks import rank_side
     from ddp_tasks import cluster as cl
 
     project = f"ddptuning{os.getpid()}"
