@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.fixtures.mpi import REPO_ROOT, clean_environ, json_objects, mpiexec_path, run_mpi
+from tests.fixtures.requirements import missing
 
 ENV_JSON = ["-m", "launcher.env", "--json"]
 
@@ -92,7 +93,7 @@ def test_bad_input_under_mpiexec_fails_every_rank():
 def test_under_torchrun():
     torchrun = Path(sys.executable).parent / "torchrun"
     if not torchrun.exists():
-        pytest.skip(f"no torchrun next to {sys.executable}: torch is not installed there")
+        missing(f"no torchrun next to {sys.executable}: torch is not installed there")
     result = subprocess.run(
         [str(torchrun), "--nproc-per-node", "2", *ENV_JSON], capture_output=True, text=True,
         env=clean_environ(), cwd=REPO_ROOT, timeout=120,

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
+from tests.fixtures.requirements import missing
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_ruff_is_clean():
     ruff = Path(sys.executable).parent / "ruff"
     if not ruff.exists():
-        pytest.skip("ruff is not installed in this venv: pip install -e '.[dev]'")
+        missing("ruff is not installed in this venv: pip install -e '.[dev]'")
     result = subprocess.run([str(ruff), "check", str(ROOT)], capture_output=True, text=True,
                             timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -23,7 +23,7 @@ def test_ruff_is_clean():
 
 def test_shell_scripts_are_shellcheck_clean():
     if not shutil.which("shellcheck"):
-        pytest.skip("shellcheck is not installed (Debian: apt-get install shellcheck)")
+        missing("shellcheck is not installed (Debian: apt-get install shellcheck)")
     scripts = [*ROOT.glob("scripts/*.sh"), *ROOT.glob("docker/**/*.sh"), ROOT / ".ci" / "run"]
     assert len(scripts) >= 4
     result = subprocess.run(["shellcheck", *map(str, scripts)], capture_output=True, text=True,
