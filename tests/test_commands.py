@@ -14,6 +14,7 @@ record their arguments, to check the requeue-on-75 logic without Slurm.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -33,6 +34,8 @@ from ddp_tasks.commands import (
 )
 from launcher.errors import EXIT_PREEMPTED, EXIT_USER_ERROR, LaunchError
 from tests.fixtures.golden import GOLDEN, golden
+from tests.fixtures.mpi import mpiexec_path
+from tests.fixtures.requirements import missing
 
 ROOT = Path(__file__).resolve().parent.parent
 INVOKE = Path(sys.executable).parent / "invoke"
@@ -188,8 +191,7 @@ def test_sbatch_cli_submits(tmp_path):
 @pytest.mark.mpi
 def test_run_starts_the_ranks_and_returns_their_status(tmp_path):
     """For real, with the venv's mpiexec: two ranks that exit 75 make `invoke run` exit 75."""
-    if not (INVOKE.parent / "mpiexec").exists():
-        pytest.skip(f"no mpiexec next to {sys.executable} (pip install mpich)")
+    mpiexec_path()  # skips (fails in CI) without the venv's MPICH
     (tmp_path / "preempted.py").write_text("import sys\nsys.exit(75)\n")
     result = invoke("run", "--runtime", "none", "--procs-per-node", "2", "--module", "preempted",
                     cwd=tmp_path, PATH=_on_path(INVOKE.parent))
@@ -218,6 +220,23 @@ def test_srun_status_survives_staggered_exits(slurm_cluster, tmp_path, rank0_exi
     assert result.returncode == status, result.stdout + result.stderr
 
 
+@pytest.mark.slurm
+def test_sbatch_submit_runs_the_job_for_real(slurm_cluster, tmp_path):
+    """`invoke sbatch --submit` against the real slurmctld: the job runs both ranks and ends."""
+    (tmp_path / "hello.py").write_text(
+        "import os\nprint('hello from rank', os.environ['SLURM_PROCID'])\n")
+    result = invoke("sbatch", "--submit", "--runtime", "none", "--procs-per-node", "2",
+                    "--module", "hello", "--time", "00:05:00", "--script", "job.sh",
+                    cwd=tmp_path, PATH=_on_path(INVOKE.parent),
+                    SLURM_CONF=str(slurm_cluster.conf))
+    assert result.returncode == 0, result.stdout + result.stderr
+    job_id = int(result.stdout.splitlines()[-1].removeprefix("submitted job "))
+    finished = slurm_cluster.wait_job(job_id)
+    assert (finished.state, finished.exit_code) == ("COMPLETED", "0:0"), finished
+    output = (tmp_path / f"ddp-{job_id}.out").read_text()
+    assert sorted(re.findall(r"^hello from rank (\d)$", output, re.M)) == ["0", "1"], output
+
+
 # -- the generated script as shell ------------------------------------------------------------
 
 
@@ -229,7 +248,7 @@ def test_sbatch_script_parses(tmp_path):
 
 def test_sbatch_script_is_shellcheck_clean(tmp_path):
     if not shutil.which("shellcheck"):
-        pytest.skip("shellcheck is not installed (Debian: apt-get install shellcheck)")
+        missing("shellcheck is not installed (Debian: apt-get install shellcheck)")
     script = tmp_path / "job.sh"
     script.write_text(sbatch_text())
     result = subprocess.run(["shellcheck", str(script)], capture_output=True, text=True)
