@@ -10,8 +10,10 @@ import time
 import pytest
 
 from launcher.check import RankReport, find_differences, format_table
+from launcher.errors import EXIT_USER_ERROR
 from tests.fixtures.gpu import nccl_ranks, needs_gpu
 from tests.fixtures.mpi import REPO_ROOT, clean_environ, json_objects, run_mpi
+from tests.fixtures.rank_exits import FAILURE_ENDS_WITHIN_S, RECORD, rank_exits
 
 
 def _report(rank: int, **overrides: str) -> RankReport:
@@ -114,19 +116,24 @@ def test_mpi_under_torchrun_stops_every_rank_at_once_with_the_cause():
     """torchrun offers no PMI: --backend mpi would make each rank an MPI world of its own. Every
     rank says so before MPI starts and exits 2; nothing waits for a peer."""
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                "--nproc-per-node", "2"]
-    start = time.monotonic()
+                "--nproc-per-node", "2", "--no-python", "sh", "-c", RECORD, "sh"]
     result = subprocess.run(
-        [*torchrun, "-m", "launcher.check", "--backend", "mpi"], capture_output=True,
-        text=True, timeout=180, env=clean_environ(), cwd=REPO_ROOT,
+        [*torchrun, sys.executable, "-m", "launcher.check", "--backend", "mpi"],
+        capture_output=True, text=True, timeout=180, env=clean_environ(), cwd=REPO_ROOT,
     )
+    ended = time.time()
     assert result.returncode != 0, result.stdout
+    # each rank stopped by itself with the user-error status (one killed by torchrun after a
+    # peer failed would show 143), and torchrun ended soon after the first of them
+    exits = rank_exits(result.stderr)
+    assert {rank: status for rank, (status, _) in exits.items()} == \
+        {0: EXIT_USER_ERROR, 1: EXIT_USER_ERROR}, result.stderr
+    assert ended - min(at for _, at in exits.values()) < FAILURE_ENDS_WITHIN_S, result.stderr
     for rank in (0, 1):
         assert f"[rank {rank}] error: torchrun offers no MPI" in result.stderr, result.stderr
         assert f"[rank {rank}] HINT: under Slurm pass srun --mpi=pmi2" in result.stderr
     # torchrun's agent prints its own ChildFailedError; no rank prints a trace of ours
     assert str(REPO_ROOT / "launcher") not in result.stderr, result.stderr
-    assert time.monotonic() - start < 60, "the ranks did not stop at once"
 
 
 def test_unknown_backend_is_one_clear_error():

@@ -30,15 +30,10 @@ from launcher.errors import EXIT_RANK_FAILED, EXIT_USER_ERROR
 from tests.fixtures.gpu import nccl_ranks, needs_gpu
 from tests.fixtures.host_mpi import OPENMPI_ROOT_ENV
 from tests.fixtures.mpi import REPO_ROOT, clean_environ, mpiexec_path
+from tests.fixtures.rank_exits import FAILURE_ENDS_WITHIN_S, RECORD, rank_exits
 
-#: the promise: every rank has exited this long after the fault (on a 2-core machine)
-EXIT_WITHIN_S = 20
 #: a collective waits this long for a peer: a run that relied on it would fail the test
 TIMEOUT_S = 120
-RANK_VARIABLE = "${PMI_RANK:-${SLURM_PROCID:-$RANK}}"
-# every rank's exit status and the moment it ended, on stderr
-RECORD = ('trap "" TERM INT HUP; "$@"; status=$?; echo "ddp-exit rank=' + RANK_VARIABLE
-          + ' status=$status at=$(date +%s.%N)" >&2; exit $status')
 
 
 @dataclass(frozen=True)
@@ -83,11 +78,6 @@ def _torchrun(args: list[str], env: dict[str, str], ranks: int = 2
                           timeout=TIMEOUT_S + 60, env=clean_environ(env), cwd=REPO_ROOT)
 
 
-def _exits(stderr: str) -> dict[int, tuple[int, float]]:
-    return {int(rank): (int(status), float(at)) for rank, status, at in
-            re.findall(r"ddp-exit rank=(\d+) status=(\d+) at=([\d.]+)", stderr)}
-
-
 def _launched(run) -> tuple[subprocess.CompletedProcess, float]:
     """``run()``'s result and the wall-clock moment the launcher had ended (``time.time``,
     the clock ``tests.faulty_model`` stamps the fault with)."""
@@ -102,14 +92,14 @@ def _check(result: subprocess.CompletedProcess, launcher_ended: float, fault: Fa
     injected = re.search(r"fault injected at ([\d.]+)", stderr)
     assert injected, output
     fault_at = float(injected.group(1))
-    assert launcher_ended - fault_at < EXIT_WITHIN_S, \
+    assert launcher_ended - fault_at < FAILURE_ENDS_WITHIN_S, \
         f"the launcher ended {launcher_ended - fault_at:.1f} s after the fault\n{output}"
-    exits = _exits(stderr)
+    exits = rank_exits(stderr)
     if every_rank_recorded:
         assert set(exits) == {0, 1}, output
     for rank, (status, ended) in exits.items():
         assert status == EXIT_RANK_FAILED, f"rank {rank} exited {status}\n{output}"
-        assert ended - fault_at < EXIT_WITHIN_S, output
+        assert ended - fault_at < FAILURE_ENDS_WITHIN_S, output
     failing, other = fault.rank, 1 - fault.rank
     # the failing rank: its traceback, once, down to the user's frame
     assert stderr.count(f"[rank {failing}] Traceback") == 1, output
@@ -226,7 +216,7 @@ def test_a_taken_rendezvous_port_stops_every_rank_at_once(tmp_path):
         assert "frame #" not in stderr and "Traceback" not in stderr, stderr
     assert "address already in use" in outputs[0][1], outputs[0][1]
     assert "answers, but not as rank 0's rendezvous store" in outputs[1][1], outputs[1][1]
-    assert elapsed < EXIT_WITHIN_S, elapsed
+    assert elapsed < FAILURE_ENDS_WITHIN_S, elapsed
 
 
 def test_a_single_process_ends_with_the_same_status_and_its_traceback(tmp_path, data_dir):
@@ -253,6 +243,6 @@ def test_nccl_one_rank_raises_every_rank_ends(tmp_path, data_dir, where):
     if ranks == 2:
         _check(result, ended, fault, run_dir, every_rank_recorded=True)
     else:
-        assert _exits(result.stderr)[0][0] == EXIT_RANK_FAILED, result.stderr
+        assert rank_exits(result.stderr)[0][0] == EXIT_RANK_FAILED, result.stderr
         assert f"[rank 0] {fault.kind}: injected fault" in result.stderr, result.stderr
     _no_rank_left()
