@@ -116,13 +116,10 @@ def test_lost_node_ends_every_rank_then_resume_completes(start_compose_mpi, faul
     freeze(cluster, cluster.hosts)
     inflict(cluster, lost)
     thaw(cluster, survivors)
-    faulted = time.monotonic()
     wait_until(lambda: not ranks_running(cluster, survivors), EXIT_WITHIN,
                f"every rank on {survivors} to exit after {fault} of {lost}")
-    seconds = time.monotonic() - faulted
     status, output = finish(training, EXIT_WITHIN)
     assert status != 0, output
-    assert seconds < EXIT_WITHIN
     # the output names the lost peer: the survivors by host name, rank or address, or (a
     # node that dies ends the job before the ranks notice) ssh-launch.sh by host name
     assert re.search(rf"{lost}\b|rank 2\b|{re.escape(lost_ip)}\b", output), output
