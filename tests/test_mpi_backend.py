@@ -243,7 +243,8 @@ print("group ok", flush=True)
 def test_blocked_single_copy_transfers_are_caught_in_docker(cpu_image, run_in_image):
     """Docker's seccomp profile forbids process_vm_readv: with MPICH's CMA switched back on,
     Iallreduce returns wrong sums, and the backend's transport check must refuse the group on
-    every rank. The image's own setting (CMA off) must pass the same check."""
+    every rank. Left to the launcher, the node's probe finds the call blocked and turns CMA
+    off before MPI starts: the same check passes."""
     command = ["mpiexec", "-n", "2", "python", "-c", INIT_IN_IMAGE]
     status, output = run_in_image(cpu_image, command,
                                   environment={"MPIR_CVAR_CH4_CMA_ENABLE": "1"})
@@ -251,5 +252,7 @@ def test_blocked_single_copy_transfers_are_caught_in_docker(cpu_image, run_in_im
     for rank in (0, 1):
         assert f"[rank {rank}] error: MPI delivered wrong data" in output, output
         assert f"[rank {rank}] HINT: " in output and "MPIR_CVAR_CH4_CMA_ENABLE=0" in output
+    assert "(CMA) on " not in output  # the user's setting is not probed
     status, output = run_in_image(cpu_image, command)
     assert status == 0 and output.count("group ok") == 2, output
+    assert output.count("(CMA) on ") == 1 and "process_vm_readv" in output, output

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher import mpi_library
+from launcher import cma, mpi_library
 from launcher.env import detect_environment, launch_pmi
 from launcher.errors import LaunchError
 
@@ -31,6 +31,20 @@ OPENMPI = {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2",
 ])
 def test_the_pmi_is_read_from_the_servers_variables(environ, pmi):
     assert launch_pmi(environ) == pmi
+
+
+@pytest.fixture(autouse=True)
+def node_decision(monkeypatch) -> list[str]:
+    """No real probe here (its peers are not running): "off", and the hosts asked, recorded.
+    launcher.cma's own tests and tests/test_cma.py run the real one."""
+    asked: list[str] = []
+
+    def decision(env):
+        asked.append(env.hostname)
+        return cma.Decision(False, "faked")
+
+    monkeypatch.setattr(mpi_library.cma, "node_decision", decision)
+    return asked
 
 
 def _library(directory: Path, name: str) -> Path:
@@ -109,7 +123,6 @@ def test_load_points_mpi4py_at_the_choice_once(monkeypatch, bundled):
     monkeypatch.setattr(mpi_library, "_loaded", None)
     monkeypatch.setattr(mpi_library, "BUNDLED_MPICH", bundled[0])
     monkeypatch.setattr(mpi_library, "BUNDLED_OPENMPI", bundled[1])
-    monkeypatch.setattr(mpi_library, "IMAGE_VENV", Path(mpi_library.sys.prefix))
     monkeypatch.delitem(mpi_library.sys.modules, "mpi4py.MPI", raising=False)
     environ: dict[str, str] = {}  # what load() writes, kept from the rest of the session
     monkeypatch.setattr(mpi_library.os, "environ", environ)
@@ -117,7 +130,7 @@ def test_load_points_mpi4py_at_the_choice_once(monkeypatch, bundled):
     assert mpi_library.load(env).path == str(bundled[0])
     assert environ["MPI4PY_LIBMPI"] == str(bundled[0])
     assert "MPI4PY_MPIABI" not in environ  # it would make mpi4py skip loading the path
-    assert environ[mpi_library.CMA_VARIABLE] == "0"  # in the image only
+    assert environ[mpi_library.CMA_VARIABLE] == "0"  # the node's decision (faked: off)
     assert mpi_library.IALLREDUCE_VARIABLE not in environ  # one node: MPICH's own choice
     # a second call, even for another launch, keeps the first choice: mpi4py loads once
     assert mpi_library.load(detect_environment(OPENMPI, hostname="n1")).path == str(bundled[0])
@@ -144,16 +157,70 @@ def test_pmix_with_the_bundled_mpich_is_refused_before_it_aborts(monkeypatch):
     assert "does not speak" in error.value.message and "--mpi=pmi2" in error.value.hint
 
 
-def test_outside_the_image_cma_stays_as_mpich_sets_it(monkeypatch, bundled):
-    """On the host (a venv), ranks share a namespace and CMA works: left to MPICH."""
+@pytest.mark.parametrize(("environ", "on", "expected"), [
+    (HYDRA, True, {mpi_library.CMA_VARIABLE: "1"}),
+    (HYDRA, False, {mpi_library.CMA_VARIABLE: "0"}),
+    (OPENMPI, True, {mpi_library.SMSC_VARIABLE: "cma"}),
+    (OPENMPI, False, {mpi_library.SMSC_VARIABLE: "^cma"}),
+])
+def test_the_nodes_decision_switches_the_bundled_mpis_single_copy(monkeypatch, bundled, capsys,
+                                                                   environ, on, expected):
     monkeypatch.setattr(mpi_library, "_loaded", None)
     monkeypatch.setattr(mpi_library, "BUNDLED_MPICH", bundled[0])
-    monkeypatch.setattr(mpi_library, "IMAGE_VENV", Path("/nonexistent/venv"))
+    monkeypatch.setattr(mpi_library, "BUNDLED_OPENMPI", bundled[1])
     monkeypatch.delitem(mpi_library.sys.modules, "mpi4py.MPI", raising=False)
-    environ: dict[str, str] = {}
-    monkeypatch.setattr(mpi_library.os, "environ", environ)
-    assert mpi_library.load(detect_environment(HYDRA, hostname="n1")).abi == "mpich"
-    assert environ == {"MPI4PY_LIBMPI": str(bundled[0])}
+    monkeypatch.setattr(mpi_library.cma, "node_decision", lambda env: cma.Decision(on, "why"))
+    written: dict[str, str] = {}
+    monkeypatch.setattr(mpi_library.os, "environ", written)
+    mpi_library.load(detect_environment(environ, hostname="n1"))
+    assert {k: v for k, v in written.items() if k != "MPI4PY_LIBMPI"} == expected
+    assert capsys.readouterr().err == ""  # local rank 1: only local rank 0 speaks
+
+
+def test_local_rank_0_says_the_decision_in_one_line(monkeypatch, bundled, capsys):
+    monkeypatch.setattr(mpi_library, "_loaded", None)
+    monkeypatch.setattr(mpi_library, "BUNDLED_MPICH", bundled[0])
+    monkeypatch.delitem(mpi_library.sys.modules, "mpi4py.MPI", raising=False)
+    monkeypatch.setattr(mpi_library.os, "environ", {})
+    mpi_library.load(detect_environment({**HYDRA, "MPI_LOCALRANKID": "0"}, hostname="n1"))
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "(CMA) on n1: off" in err and "faked" in err
+    assert "0.46x" in err  # what it costs
+
+
+@pytest.mark.parametrize("environ", [
+    {**HYDRA, mpi_library.CMA_VARIABLE: "1"},  # the user's setting wins
+    {**OPENMPI, mpi_library.SMSC_VARIABLE: "cma"},
+    {**HYDRA, "MPI_LOCALNRANKS": "1", "MPI_LOCALRANKID": "0"},  # no local peer
+    {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+     "MASTER_ADDR": "n1", "MASTER_PORT": "29500"},  # torchrun: no MPI
+])
+def test_no_probe_where_there_is_nothing_to_decide(monkeypatch, bundled, node_decision,
+                                                   environ):
+    monkeypatch.setattr(mpi_library, "_loaded", None)
+    monkeypatch.setattr(mpi_library, "BUNDLED_MPICH", bundled[0])
+    monkeypatch.setattr(mpi_library, "BUNDLED_OPENMPI", bundled[1])
+    monkeypatch.delitem(mpi_library.sys.modules, "mpi4py.MPI", raising=False)
+    written = {k: v for k, v in environ.items() if k.endswith(("_ENABLE", "_smsc"))}
+    monkeypatch.setattr(mpi_library.os, "environ", written)
+    mpi_library.load(detect_environment(environ, hostname="n1"))
+    assert node_decision == []
+    assert written.get(mpi_library.CMA_VARIABLE) == environ.get(mpi_library.CMA_VARIABLE)
+    assert written.get(mpi_library.SMSC_VARIABLE) == environ.get(mpi_library.SMSC_VARIABLE)
+
+
+def test_a_host_mpi_bound_in_keeps_its_own_single_copy_setting(monkeypatch, tmp_path, bundled,
+                                                               node_decision):
+    """Only the bundled MPIs are told: a host MPI's variables may mean something else."""
+    host = _library(tmp_path / "host", "libmpi.so.12")
+    monkeypatch.setattr(mpi_library, "_loaded", None)
+    monkeypatch.setattr(mpi_library, "BUNDLED_MPICH", bundled[0])
+    monkeypatch.delitem(mpi_library.sys.modules, "mpi4py.MPI", raising=False)
+    written: dict[str, str] = {}
+    monkeypatch.setattr(mpi_library.os, "environ", written)
+    env = detect_environment({**HYDRA, "LD_LIBRARY_PATH": str(host.parent)}, hostname="n1")
+    assert mpi_library.load(env).path == str(host)
+    assert node_decision == [] and mpi_library.CMA_VARIABLE not in written
 
 
 @pytest.mark.parametrize(("size", "per_node", "user", "expected"), [
