@@ -1,7 +1,8 @@
-"""Image tasks: ``base`` (Debian base without a registry), ``build``, ``push`` and ``sif``.
+"""Image tasks: ``base`` (Debian base without a registry), ``build``, ``push``, ``chimage``.
 
 Thin wrappers: the command lines and build arguments come from ``ddp_tasks.image_commands``;
-the work is done by debootstrap, docker-py (the Docker engine API) and apptainer.
+the work is done by debootstrap, docker-py (the Docker engine API) and ch-convert. The SIF
+tasks are in ``ddp_tasks.sif_build``.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from pathlib import Path
 from invoke import task
 from invoke.exceptions import Exit
 
-from ddp_tasks import apptainer_def
 from ddp_tasks import image_commands as ic
 from launcher import __version__
 from launcher.errors import EXIT_USER_ERROR, LaunchError
@@ -293,9 +293,9 @@ def push(c, registry="", flavor="cpu", name=ic.DEFAULT_NAME):
                    name=name)
 
 
-# ----------------------------------------------------------------------------------------- sif
+# ------------------------------------------------------------------------------- dry runs
 
-def _shown_only(command: list[str], dry_run: bool, install_hint: str) -> bool:
+def shown_only(command: list[str], dry_run: bool, install_hint: str) -> bool:
     """Print ``command``; True for a dry run; LaunchError when its program is not installed."""
     print(shlex.join(command), flush=True)
     if dry_run:
@@ -303,58 +303,6 @@ def _shown_only(command: list[str], dry_run: bool, install_hint: str) -> bool:
     if not shutil.which(command[0]):
         raise LaunchError(f"{command[0]} is not installed", hint=install_hint)
     return False
-
-
-def sif_plan(*, output: str, flavor: str, source: str, image: str,
-             executable: str = "apptainer", fakeroot: bool = False
-             ) -> tuple[Path, str, list[str]]:
-    """``(def path, def text, command)`` for ``apptainer build``: the flavor's def as is for
-    its own source and image, else a copy pointed at IMAGE under build/."""
-    ic.check_flavor(flavor)
-    own = ic.apptainer_def(flavor)
-    text = own.read_text()
-    wanted = ic.sif_definition(text, source, image)
-    path = own if wanted == text else ic.ROOT / "build" / f"ddp-{flavor}-{source}.def"
-    return path, wanted, ic.sif_command(output, str(path), executable, fakeroot)
-
-
-@task(help={
-    "output": "SIF file to write (default ddp.sif, what `invoke run --runtime apptainer` runs)",
-    "flavor": "flavor of the image to convert (default cpu)",
-    "name": f"image name (default {ic.DEFAULT_NAME})",
-    "source": "where apptainer reads the image: docker-daemon (local engine, default), "
-              "docker-archive (a `docker save` tarball: give --image FILE.tar) or docker "
-              "(a registry: give --image REGISTRY/NAME:TAG)",
-    "image": "image reference for --source (default NAME:FLAVOR)",
-    "fakeroot": "build with --fakeroot (unprivileged users)",
-    "dry_run": "print the definition file path and the command, run nothing",
-})
-def sif(c, output="ddp.sif", flavor="cpu", name=ic.DEFAULT_NAME, source="docker-daemon", image="",
-        fakeroot=False, dry_run=False):
-    """Build an Apptainer SIF from the Docker image with apptainer/ddp-FLAVOR.def."""
-    executable = shutil.which("apptainer") or shutil.which("singularity") or "apptainer"
-    with user_errors():
-        path, text, command = sif_plan(output=output, flavor=flavor, source=source,
-                                       image=image or ic.image_tag(name, flavor),
-                                       executable=Path(executable).name, fakeroot=fakeroot)
-        if dry_run:
-            print(f"# {path.relative_to(ic.ROOT)}\n{text}", flush=True)
-        if _shown_only(command, dry_run, "install Apptainer (https://apptainer.org/docs/admin/"
-                       "main/installation.html) or use --dry-run to see the command"):
-            return
-    if path != ic.apptainer_def(flavor):
-        path.parent.mkdir(exist_ok=True)
-        path.write_text(text)
-    subprocess.run(command, check=True, timeout=7200, cwd=ic.ROOT)
-
-
-@task
-def sif_defs(c):
-    """Write apptainer/ddp-FLAVOR.def for every flavor from docker/Dockerfile."""
-    ic.APPTAINER_DIR.mkdir(exist_ok=True)
-    for flavor in ic.FLAVORS:
-        ic.apptainer_def(flavor).write_text(apptainer_def.definition(flavor))
-        print(f"wrote {ic.apptainer_def(flavor).relative_to(ic.ROOT)}")
 
 
 # ----------------------------------------------------------------------------------- chimage
@@ -372,7 +320,7 @@ def chimage(c, output="", flavor="cpu", name=ic.DEFAULT_NAME, image="", dry_run=
     with user_errors():
         command = ic.chimage_command(image or ic.image_tag(name, flavor),
                                      output or f"{name}-{flavor}")
-        if _shown_only(command, dry_run, "apt-get install charliecloud-builders "
+        if shown_only(command, dry_run, "apt-get install charliecloud-builders "
                        "charliecloud-runtime (Debian 12), or see https://hpc.github.io/charliecloud/"):
             return
     # ch-convert refuses an existing output; a new conversion replaces the old image
@@ -380,4 +328,4 @@ def chimage(c, output="", flavor="cpu", name=ic.DEFAULT_NAME, image="", dry_run=
     subprocess.run(command, check=True, timeout=1800, cwd=ic.ROOT)
 
 
-TASKS = [base, build, push, sif, sif_defs, chimage]
+TASKS = [base, build, push, chimage]

@@ -1,7 +1,7 @@
 """apptainer/ddp-FLAVOR.def: generated from the Dockerfile, parsed with spython, exact commands.
 
-No Apptainer binary exists for Debian 12 or on PyPI, so the SIF itself is not built here: the
-definition is checked by parsing and `invoke sif --dry-run` by its exact command line.
+No Apptainer binary exists for Debian 12 or on PyPI: `invoke sif --builder apptainer` is checked
+by its exact command line here; the SIF itself is built natively and run in tests/test_sif.py.
 """
 
 from __future__ import annotations
@@ -13,12 +13,13 @@ import pytest
 from spython.main.parse.parsers import SingularityParser
 
 from ddp_tasks import apptainer_def
-from ddp_tasks import image as image_tasks
 from ddp_tasks import image_commands as ic
+from ddp_tasks import sif_build
 from launcher import __version__
 from launcher.errors import LaunchError
 
 INVOKE = [sys.executable, "-m", "invoke"]
+APPTAINER_SIF = [*INVOKE, "sif", "--builder", "apptainer"]
 
 
 def parse(path) -> object:
@@ -91,32 +92,33 @@ def test_sif_definition_rejects_an_unknown_source():
 
 
 def test_sif_plan_uses_the_repository_def_for_the_default_image():
-    path, _, command = image_tasks.sif_plan(output="ddp-cpu.sif", flavor="cpu",
+    path, _, command = sif_build.sif_plan(output="ddp-cpu.sif", flavor="cpu",
                                             source="docker-daemon", image="ddp:cpu")
     assert path == ic.apptainer_def("cpu")
     assert command == ["apptainer", "build", "ddp-cpu.sif", str(path)]
 
 
 def test_sif_dry_run_prints_the_exact_command():
-    result = subprocess.run([*INVOKE, "sif", "--dry-run"], cwd=ic.ROOT, capture_output=True,
+    result = subprocess.run([*APPTAINER_SIF, "--dry-run"], cwd=ic.ROOT, capture_output=True,
                             text=True, timeout=60)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.splitlines()[-1] == f"apptainer build ddp.sif {ic.apptainer_def('cpu')}"
+    assert result.stdout.splitlines()[-1] == (
+        f"apptainer build ddp-cpu.sif {ic.apptainer_def('cpu')}")
 
 
 def test_sif_dry_run_for_cuda_shows_a_cuda_definition_with_nv():
-    result = subprocess.run([*INVOKE, "sif", "--flavor", "cuda", "--dry-run"], cwd=ic.ROOT,
+    result = subprocess.run([*APPTAINER_SIF, "--flavor", "cuda", "--dry-run"], cwd=ic.ROOT,
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert "From: ddp:cuda" in result.stdout and "io.ddp.flavor cuda" in result.stdout
     assert "apptainer exec --nv ddp-cuda.sif" in result.stdout
     assert result.stdout.splitlines()[-1] == (
-        f"apptainer build ddp.sif {ic.apptainer_def('cuda')}")
+        f"apptainer build ddp-cuda.sif {ic.apptainer_def('cuda')}")
 
 
 def test_sif_dry_run_for_a_registry_image_with_fakeroot():
     result = subprocess.run(
-        [*INVOKE, "sif", "--dry-run", "--fakeroot", "--source", "docker",
+        [*APPTAINER_SIF, "--dry-run", "--fakeroot", "--source", "docker",
          "--image", "127.0.0.1:5000/ddp:cpu", "--output", "out.sif"],
         cwd=ic.ROOT, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
