@@ -70,8 +70,13 @@ class Apptainer(Runtime):
     name, default_image = "apptainer", "ddp.sif"
     ENV_PREFIX = "APPTAINERENV_"
 
+    #: Apptainer 1.3+ (``--sharens``): the first rank of a node starts the container, the
+    #: others join it, so the node's ranks share one user namespace and MPI's single-copy
+    #: transfers work between them (launcher/cma.py). Older versions ignore the variable.
+    SHARE_NAMESPACES = ("APPTAINER_SHARENS", "true")
+
     def launcher_env(self, env: Env) -> Env:
-        return [(self.ENV_PREFIX + name, value) for name, value in env]
+        return [*((self.ENV_PREFIX + name, value) for name, value in env), self.SHARE_NAMESPACES]
 
     def bind_args(self, bind: str) -> list[str]:
         return ["--bind", bind]
@@ -96,8 +101,18 @@ class Charliecloud(Runtime):
 
     def exec_prefix(self, launch: Launch) -> list[str]:
         ours = [f"--set-env={name}={value}" for name, value in launch.env]
-        return ["ch-run", *self.options(launch), "--set-env", *ours,
+        return ["ch-run", *self.join_args(launch), *self.options(launch), "--set-env", *ours,
                 launch.image or self.default_image, "--"]
+
+    @staticmethod
+    def join_args(launch: Launch) -> list[str]:
+        """One container per node, not per rank, so that MPI's single-copy transfers work
+        between its ranks (launcher/cma.py). ch-run counts its peers from srun's or Open MPI's
+        variables, not Hydra's: the count is given. The group's tag stays ch-run's own:
+        SLURM_STEP_ID under srun, else the pid of ch-run's parent, the launcher's daemon of
+        this job on this node (Hydra's proxy, prted); a tag in printed text would be shared by
+        every job that runs the same line."""
+        return [f"--join-ct={launch.procs_per_node}"]
 
 
 class Pyxis(Runtime):

@@ -54,10 +54,19 @@ def _user_env() -> dict[str, str]:
 
 def ch_run(image: Path, scratch: Path, binds: tuple[str, ...] = (),
            env: tuple[tuple[str, str], ...] = ()) -> list[str]:
-    """``ch-run ... IMAGE --`` as ``invoke run --runtime charliecloud`` builds it."""
-    launch = Launch(runtime="charliecloud", image=str(image),
+    """``ch-run ... IMAGE --`` as ``invoke run --runtime charliecloud`` builds it for the
+    tests' launches: 2 ranks on this one node (``--join-ct=2``)."""
+    launch = Launch(runtime="charliecloud", image=str(image), procs_per_node=2,
                     binds=(f"{scratch}:{SCRATCH}", *binds), env=program_env("USR1", extra=env))
     return container_argv(launch)
+
+
+def cma_line(result) -> str:
+    """The node's one line on MPI's single-copy transfers (launcher/cma.py), from local rank 0
+    of a launch on one node."""
+    lines = [line for line in result.stderr.splitlines() if "(CMA) on " in line]
+    assert len(lines) == 1, result.stderr
+    return lines[0]
 
 
 def run_host(argv: list[str], env: dict[str, str] | None = None,
@@ -112,6 +121,8 @@ def test_srun_starts_ranks_in_the_image(slurm_cluster, ch_image, tmp_path, plugi
         check = slurm_cluster.srun(["-n", "2", *mpi, *ch, "python", "-m", "launcher.check",
                                     "--backend", "mpi"], timeout=RUN_TIMEOUT, env=_user_env())
         passed_check(check, library, libmpi, "pmix" if plugin == "pmix" else "pmi")
+        # ch-run --join: the node's ranks share a user namespace, so CMA comes on
+        assert ": on: 2 local ranks in one user namespace" in cma_line(check)
         train = slurm_cluster.srun(["-n", "2", *mpi, *ch, "python", "-m", "launcher.train",
                                     *TRAIN], timeout=RUN_TIMEOUT, env=_user_env())
     equal_hashes(train)
@@ -127,6 +138,8 @@ def test_the_acceptance_command_needs_no_set_env(slurm_cluster, ch_image, tmp_pa
         ["-n", "2", f"--mpi={plugin}", "ch-run", "-b", f"{tmp_path}:{SCRATCH}", str(ch_image),
          "--", "python", "-m", "launcher.train", *TRAIN], timeout=RUN_TIMEOUT, env=_user_env())
     equal_hashes(train)
+    # without --join each rank has a user namespace of its own: CMA off, and why
+    assert ": off: the 2 local ranks are in 2 user namespaces" in cma_line(train)
 
 
 @pytest.mark.slurm
@@ -146,9 +159,34 @@ def test_srun_without_pmi_is_one_clear_error(slurm_cluster, ch_image, tmp_path):
 def test_host_hydra_mpiexec_starts_ranks_in_the_image(ch_image, tmp_path):
     ch = ch_run(ch_image, tmp_path)
     mpiexec = [str(mpiexec_path()), "-n", "2", *ch, "python", "-m"]
-    passed_check(run_host([*mpiexec, "launcher.check", "--backend", "mpi"]), MPICH,
-                 "/opt/ddp/venv/lib/libmpi.so.12", "pmi")
+    check = run_host([*mpiexec, "launcher.check", "--backend", "mpi"])
+    passed_check(check, MPICH, "/opt/ddp/venv/lib/libmpi.so.12", "pmi")
+    assert ": on: 2 local ranks in one user namespace" in cma_line(check)
     equal_hashes(run_host([*mpiexec, "launcher.train", *TRAIN]))
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("forced", [False, True])
+def test_plain_ch_run_never_sums_wrong(ch_image, tmp_path, forced):
+    """One ch-run per rank (no --join): separate user namespaces. Left to the launcher, CMA
+    goes off and every sum is right; forced on by the user, MPICH 5.0.2 would sum wrong, and
+    the job must end with one clear error per rank instead (or, where it copes, right sums)."""
+    from tests.test_cma import SUMS
+
+    env = {"MPIR_CVAR_CH4_CMA_ENABLE": "1"} if forced else {}
+    result = run_host([str(mpiexec_path()), "-n", "2", "ch-run", str(ch_image), "--",
+                       "python", "-c", SUMS], env)
+    output = result.stdout + result.stderr
+    assert "WRONG" not in output, output
+    if not forced:
+        assert result.returncode == 0 and output.count(" right") == 4, output
+        assert ": off: the 2 local ranks are in 2 user namespaces" in cma_line(result)
+    elif result.returncode != 0:
+        for rank in (0, 1):
+            assert output.count(f"[rank {rank}] error: MPI delivered wrong data") == 1, output
+        assert " right" not in output and "Traceback" not in output, output
+    else:
+        assert output.count(" right") == 4, output
 
 
 @pytest.mark.mpi
@@ -156,8 +194,9 @@ def test_host_open_mpi_mpirun_starts_ranks_in_the_image(ch_image, openmpi_prefix
     ch = ch_run(ch_image, tmp_path)
     mpirun = [str(openmpi_prefix / "bin" / "mpirun"), "-n", "2", "--oversubscribe", *ch,
               "python", "-m"]
-    passed_check(run_host([*mpirun, "launcher.check", "--backend", "mpi"], OPENMPI_ROOT_ENV),
-                 OPENMPI, "/opt/ddp/openmpi/lib/libmpi.so.40", "pmix")
+    check = run_host([*mpirun, "launcher.check", "--backend", "mpi"], OPENMPI_ROOT_ENV)
+    passed_check(check, OPENMPI, "/opt/ddp/openmpi/lib/libmpi.so.40", "pmix")
+    assert ": on: 2 local ranks in one user namespace" in cma_line(check)
     equal_hashes(run_host([*mpirun, "launcher.train", *TRAIN], OPENMPI_ROOT_ENV))
 
 

@@ -14,7 +14,7 @@
 #SBATCH --output=%x-%j.out
 
 srun --nodes 2 --ntasks-per-node 4 --gpus-per-node 4 --cpus-per-task 8 --mpi=pmi2 --kill-on-bad-exit=0 --wait=60 \
-    --export=ALL,APPTAINERENV_PYTHONUNBUFFERED=1,APPTAINERENV_OMP_NUM_THREADS=8,APPTAINERENV_DDP_PREEMPT_SIGNAL=USR2 \
+    --export=ALL,APPTAINERENV_PYTHONUNBUFFERED=1,APPTAINERENV_OMP_NUM_THREADS=8,APPTAINERENV_DDP_PREEMPT_SIGNAL=USR2,APPTAINER_SHARENS=true \
     apptainer exec --nv --bind /scratch ddp.sif \
     python -m launcher.train --resume auto --epochs 3
 status=$?
