@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NoReturn
+from typing import NoReturn, TextIO
 
 import torch
 import torch.distributed as dist
@@ -36,6 +36,7 @@ from launcher.agreement import agree
 from launcher.env import JobEnv, detect_environment
 from launcher.errors import EXIT_PREEMPTED, LaunchError, RankFailed, report_and_exit
 from launcher.failfast import end_process
+from launcher.logging_utils import print_lines
 from launcher.preemption import Preempted, PreemptionWatch
 from launcher.process_group import process_group
 
@@ -83,10 +84,14 @@ class Job:
         """What ``DistributedDataParallel(device_ids=...)`` wants for ``device``."""
         return [self.device.index] if self.device.type == "cuda" else None
 
-    def print(self, *values: object) -> None:
-        """``print`` on rank 0 only, flushed (job logs of many ranks stay readable)."""
-        if self.is_main:
-            print(*values, flush=True)
+    def print(self, *values: object, every_rank: bool = False, sep: str = " ",
+              file: TextIO | None = None) -> None:
+        """``print`` on rank 0 only, flushed (job logs of many ranks stay readable); with
+        ``every_rank=True`` on every rank, each line prefixed ``[rank R]`` (``print_lines``)."""
+        if every_rank:
+            print_lines(self.rank, sep.join(map(str, values)), file or sys.stdout)
+        elif self.is_main:
+            print(*values, sep=sep, file=file, flush=True)
 
     # --- preemption ---------------------------------------------------------------------------
 
@@ -101,11 +106,14 @@ class Job:
 
     # --- checkpoints --------------------------------------------------------------------------
 
-    def save(self, directory: str | Path, step: int, state: dict) -> Path:
-        """Collective: rank 0 writes ``state`` (tensors and plain values), with every rank's RNG
-        states added under ``"rng"``, as ``directory/ckpt-<step>.pt``: atomically (a reader
-        sees the old file or the whole new one) and self-checking (SHA-256). A failed write
-        stops every rank with the cause."""
+    def save(self, directory: str | Path, step: int, state: dict, *,
+             samples: int | None = None) -> Path:
+        """Collective: rank 0 writes ``state`` as ``directory/ckpt-<step>.pt``, a file that
+        ``torch.load(path, weights_only=True)`` reads, adding ``step``, ``samples`` (the global
+        sample position: samples consumed over all ranks, when given), ``world_size`` and every
+        rank's RNG states (``rng``). Atomic (a reader sees the old file or the whole new one),
+        self-checking (SHA-256), and loaded back before it is written: state that resume could
+        not load, or a failed write, stops every rank with the cause and writes nothing."""
         directory = Path(directory)
         rng: list[object] = [None] * self.world_size
         mine = checkpoint.capture_rng(self.device)
@@ -113,10 +121,12 @@ class Job:
             dist.all_gather_object(rng, mine)
         else:
             rng[0] = mine
+        contents = {**state, "format": checkpoint.FORMAT, "step": step, "samples": samples,
+                    "world_size": self.world_size, "rng": rng}
         with agree():
             if self.is_main:
                 try:
-                    checkpoint.save(directory, step, {**state, "rng": rng}, self.keep)
+                    checkpoint.save(directory, step, contents, self.keep)
                 except OSError as exc:
                     raise LaunchError(f"cannot write a checkpoint to {directory}: {exc}",
                                       hint="check free space and permissions of the "
@@ -149,23 +159,29 @@ class Job:
 
     def load(self, path: str | Path, restore_rng: bool = True) -> dict:
         """Collective: the checkpoint at ``path`` on every rank, onto this rank's device, with
-        this rank's RNG states restored (or later, with ``restore_rng(state)``)."""
+        this rank's RNG states restored (or later, with ``restore_rng(state)``). Any world size
+        reads it: on the one that wrote it each rank gets its own states back (bit-exact); on
+        another, a line says so and each rank's streams are reseeded (``restore_rng``)."""
         with agree():
-            state = checkpoint.load(Path(path), map_location=self.device)
-            saved = len(state.get("rng", ()))
-            if saved != self.world_size:
-                raise LaunchError(f"{path} was written by {saved} ranks, this run has "
-                                  f"{self.world_size}",
-                                  hint=f"resume with {saved} ranks: data order and per-rank "
-                                  "random streams depend on the world size, so bit-exact "
-                                  "resume needs the same number")
+            state = checkpoint.load(path, map_location=self.device)
+        saved = len(state.get("rng", ()))
+        if saved and saved != self.world_size:
+            self.print(f"{path} was written by {saved} ranks, resuming on {self.world_size}: "
+                       "data order continues by global sample; not bit-identical to an "
+                       f"uninterrupted {saved}-rank run")
         if restore_rng:
             self.restore_rng(state)
         return state
 
     def restore_rng(self, state: dict) -> None:
-        """Set this rank's RNG states (torch, CUDA, numpy, random) to those in ``state``."""
-        checkpoint.restore_rng(state["rng"][self.rank], self.device)
+        """Set this rank's RNG states (torch, CUDA, numpy, random) to those in ``state``; when
+        it was written by another number of ranks, to new streams derived from it, this rank
+        and the world size (the same for every resume on this many ranks)."""
+        saved = state["rng"]
+        if len(saved) == self.world_size:
+            checkpoint.restore_rng(saved[self.rank], self.device)
+        else:
+            checkpoint.reseed_rng(saved, self.rank, self.world_size, self.device)
 
     #: Collective context manager: a LaunchError raised inside on some ranks is raised on every
     #: rank (the others name the rank that failed), so nobody waits in the next collective
@@ -180,10 +196,22 @@ def _warn(text: str) -> None:
 def distributed(backend: str = "auto", timeout_s: float = 300.0) -> Iterator[Job]:
     """Run the body as one rank of a distributed job (see the module docstring)."""
     with exit_statuses():
+        timeout_s = _checked_timeout(timeout_s)
         env = detect_environment()
         with PreemptionWatch(env.preempt_signal) as watch, \
                 process_group(env, backend, timeout_s) as ctx:
             yield Job(ctx.env, ctx.backend, ctx.device, watch)
+
+
+def _checked_timeout(timeout_s: object) -> float:
+    """``timeout_s`` as a float; a LaunchError unless it is a positive number of seconds."""
+    valid = isinstance(timeout_s, (int, float)) and not isinstance(timeout_s, bool)
+    if not valid or not 0 < timeout_s < float("inf"):
+        raise LaunchError(f"launcher.distributed(timeout_s={timeout_s!r}): the timeout must be a "
+                          "positive number of seconds",
+                          hint="pass how long a collective may wait, e.g. "
+                          "launcher.distributed(timeout_s=300)")
+    return float(timeout_s)
 
 
 @contextmanager

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -66,6 +67,21 @@ class RankLog:
         if self._bar_open:
             self.stream.write("\n")
             self._bar_open = False
+
+
+def print_lines(rank: int, text: str, stream: TextIO = sys.stdout) -> None:
+    """Every line of ``text`` prefixed ``[rank R]``, in one write: under mpiexec the ranks share
+    one pipe, and separate writes of a line and its newline interleave with other ranks'."""
+    data = "".join(f"[rank {rank}] {line}\n" for line in text.split("\n")).encode()
+    try:
+        fd = stream.fileno()
+    except (AttributeError, OSError, ValueError):  # a stream with no file behind it (a test's)
+        stream.write(data.decode())
+        stream.flush()
+        return
+    stream.flush()
+    while data:
+        data = data[os.write(fd, data):]
 
 
 def parameter_sha256(module: nn.Module) -> str:

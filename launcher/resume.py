@@ -2,9 +2,11 @@
 
 ``--resume auto`` takes the newest valid checkpoint (``Job.newest_checkpoint``: damaged ones
 are skipped with a warning, files left by a writer killed mid-write are removed); ``none``
-refuses to mix with an earlier run; a path takes that file (``Job.load``, which also refuses
-another world size). A checkpoint of another run (model, batch, seed, ...) is refused with the
-flags that differ, since the run would not continue bit-exact.
+refuses to mix with an earlier run; a path takes that file (``Job.load``). A checkpoint of
+another run (model, batch, seed, ...) is refused with the flags that differ, since the run would
+not continue. One written by another number of ranks continues by global sample (the epoch's
+order and each step's global batch do not depend on the world size, ``launcher.train``), as
+long as its global batch divides into this run's ranks.
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ from launcher.logging_utils import RankLog
 #: settings a resumed run must share with the checkpoint, or it would not continue the same run
 RESUME_MUST_MATCH = ("model", "dataset", "global_batch_size", "grad_accum", "seed", "epochs",
                      "lr", "dropout")
-
 
 
 def resume_state(config: TrainConfig, job: Job, log: RankLog) -> dict | None:
@@ -47,14 +48,14 @@ def resume_state(config: TrainConfig, job: Job, log: RankLog) -> dict | None:
         path = Path(config.resume)
     state = job.load(path, restore_rng=False)
     with agree():
-        _check_compatible(state, config, path)
+        _check_compatible(state, config, path, job.world_size)
     log.info(f"resuming from {path} (step {state['step']}, epoch {state['epoch']}, "
              f"batch {state['batch']})")
     return state
 
 
-def _check_compatible(state: dict, config: TrainConfig, path) -> None:
-    if state.get("format") != 1:
+def _check_compatible(state: dict, config: TrainConfig, path, world_size: int) -> None:
+    if state.get("format") != checkpoint.FORMAT:
         raise LaunchError(f"{path} has an unknown checkpoint format {state.get('format')!r}",
                           hint="resume with the launcher version that wrote it")
     saved = state["config"]
@@ -63,6 +64,15 @@ def _check_compatible(state: dict, config: TrainConfig, path) -> None:
     if differ:
         raise LaunchError(f"{path} belongs to a run with other settings: {', '.join(differ)}",
                           hint="resume with the same flags, or start anew with another --run-dir")
+    parts = config.grad_accum * world_size
+    if config.global_batch_size % parts:
+        fits = [n for n in range(1, config.global_batch_size + 1)
+                if config.global_batch_size % (n * config.grad_accum) == 0]
+        raise LaunchError(f"{path} continues a run of global batch {config.global_batch_size} "
+                          f"(written by {state['world_size']} ranks), which does not divide "
+                          f"into {world_size} ranks x {config.grad_accum} micro-batches",
+                          hint="resume it on a number of ranks that divides the batch: "
+                          f"{', '.join(map(str, fits))}")
 
 
 def load_weights(module: nn.Module, state: dict) -> None:

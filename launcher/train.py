@@ -123,18 +123,19 @@ class Trainer:
         use_cores_fairly(config.threads, env, device)
         if config.deterministic:
             use_deterministic_kernels()
-        micro_batch = config.per_rank_batch(env.world_size)
         if config.precision == "fp16" and device.type != "cuda":
             raise LaunchError("--precision fp16 needs a GPU (GradScaler); this rank runs on CPU",
                               hint="use --precision bf16 on CPU, or run on GPUs")
+        data = load_dataset(config.dataset, config.data_dir, env.local_rank)
+        spec = _build_checked_model(config, data, env)
+        spec.module.to(device)
+        # a checkpoint of another world size says first why its batch may not divide into this one
+        state = resume_state(config, job, log)
+        micro_batch = config.per_rank_batch(env.world_size)
         log.info(f"training {config.model} on {config.dataset}: {env.world_size} rank(s), "
                  f"backend {job.backend}, device {device.type}, global batch "
                  f"{config.global_batch_size} = {env.world_size} x {config.grad_accum} x "
                  f"{micro_batch}, sync {config.sync}, precision {config.precision}")
-        data = load_dataset(config.dataset, config.data_dir, env.local_rank)
-        spec = _build_checked_model(config, data, env)
-        spec.module.to(device)
-        state = resume_state(config, job, log)
         if state is not None:
             load_weights(spec.module, state)
         if device.type == "cuda" and env.is_distributed:
@@ -186,11 +187,11 @@ class Trainer:
     # --- checkpoints ------------------------------------------------------------------------
 
     def _state(self) -> dict:
-        """The checkpoint contents (``Job.save`` adds every rank's RNG states)."""
+        """The checkpoint contents (``Job.save`` adds the world size and every rank's RNG
+        states). ``batch`` counts global batches: the same position on any number of ranks."""
         p = self.position
         return {
-            "format": 1, "step": p.step, "epoch": p.epoch, "batch": p.batch,
-            "world_size": self.env.world_size, "config": self.config.to_dict(),
+            "step": p.step, "epoch": p.epoch, "batch": p.batch, "config": self.config.to_dict(),
             "model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
         }
@@ -205,8 +206,10 @@ class Trainer:
 
     def save(self) -> Path:
         """Collective: rank 0 writes the checkpoint; every rank learns whether that worked."""
-        path = self.job.save(self.config.checkpoint_dir, self.position.step, self._state())
-        self.last_saved = self.position.step
+        step = self.position.step
+        path = self.job.save(self.config.checkpoint_dir, step, self._state(),
+                             samples=step * self.config.global_batch_size)
+        self.last_saved = step
         return path
 
     # --- the loop ---------------------------------------------------------------------------

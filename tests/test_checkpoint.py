@@ -1,7 +1,9 @@
-"""Checkpoint files: checksums catch damage, writes are atomic, the newest valid one wins."""
+"""Checkpoint files: plain torch files, checksums catch damage, unloadable state is refused
+before anything is written, writes are atomic, the newest valid one wins."""
 
 from __future__ import annotations
 
+import argparse
 import random
 import signal
 import subprocess
@@ -12,7 +14,7 @@ import pytest
 import torch
 
 from launcher import atomic, checkpoint
-from launcher.checkpoint import CorruptCheckpoint
+from launcher.checkpoint import CorruptCheckpoint, UnloadableState
 
 STATE = {"step": 7, "model": {"w": torch.arange(6.0).view(2, 3)}, "note": "x"}
 
@@ -20,22 +22,55 @@ STATE = {"step": 7, "model": {"w": torch.arange(6.0).view(2, 3)}, "note": "x"}
 def test_round_trip(tmp_path):
     path = checkpoint.save(tmp_path, 7, STATE, keep=3)
     assert path.name == "ckpt-00000007.pt"
-    loaded = checkpoint.load(path)
+    loaded = checkpoint.load(str(path))  # a str as well as a Path
     assert loaded["step"] == 7 and torch.equal(loaded["model"]["w"], STATE["model"]["w"])
 
 
+def test_a_checkpoint_is_a_plain_torch_file(tmp_path):
+    path = checkpoint.save(tmp_path, 7, STATE, keep=3)
+    plain = torch.load(path, weights_only=True)
+    assert plain["note"] == "x" and torch.equal(plain["model"]["w"], STATE["model"]["w"])
+    assert plain[checkpoint.DIGEST_KEY] == checkpoint.content_digest(STATE)
+
+
+def _flip_in_tensor(data: bytes) -> bytes:
+    """One bit of the saved tensor's data changed (torch.load alone would not notice)."""
+    at = data.find(STATE["model"]["w"].numpy().tobytes())
+    return data[:at] + bytes([data[at] ^ 1]) + data[at + 1:]
+
+
 @pytest.mark.parametrize("damage, message", [
-    (lambda b: b[:-10], "truncated"),
-    (lambda b: b[:20], "truncated"),
-    (lambda b: b[:-1] + bytes([b[-1] ^ 1]), "SHA-256"),
-    (lambda b: b"XXXXXXXX" + b[8:], "bad magic"),
-], ids=["truncated-payload", "truncated-header", "bit-flip", "magic"])
+    (lambda b: b[:-10], "truncated, damaged or not a checkpoint"),
+    (lambda b: b[:20], "truncated, damaged or not a checkpoint"),
+    (_flip_in_tensor, "SHA-256"),
+    (lambda b: b"XXXXXXXX" + b[8:], "truncated, damaged or not a checkpoint"),
+], ids=["truncated-end", "truncated-start", "bit-flip", "overwritten-start"])
 def test_damage_is_detected(tmp_path, damage, message):
     path = checkpoint.save(tmp_path, 1, STATE, keep=3)
     path.write_bytes(damage(path.read_bytes()))
     with pytest.raises(CorruptCheckpoint, match=message) as info:
         checkpoint.load(path)
-    assert "--resume" in info.value.hint
+    assert "older checkpoint" in info.value.hint
+
+
+def test_a_torch_file_without_a_digest_is_not_a_checkpoint(tmp_path):
+    torch.save({"model": {}}, tmp_path / "ckpt-00000001.pt")
+    with pytest.raises(CorruptCheckpoint, match="not a launcher checkpoint"):
+        checkpoint.load(tmp_path / "ckpt-00000001.pt")
+
+
+@pytest.mark.parametrize("state, where, kind", [
+    ({"args": argparse.Namespace(lr=0.1)}, "state['args']", "argparse.Namespace"),
+    ({"opt": {"m": [1, np.zeros(3)]}}, "state['opt']['m'][1]", "numpy.ndarray"),
+    ({"loss": np.float64(0.5)}, "state['loss']", "numpy.float64"),
+], ids=["namespace", "nested-array", "numpy-scalar"])
+def test_state_resume_could_not_load_is_refused_and_nothing_written(tmp_path, state, where,
+                                                                    kind):
+    with pytest.raises(UnloadableState) as info:
+        checkpoint.save(tmp_path, 1, state, keep=3)
+    assert f"{where} ({kind}) cannot be loaded back" in info.value.message
+    assert "vars(args)" in info.value.hint and "torch.from_numpy" in info.value.hint
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_keep_deletes_the_oldest(tmp_path):

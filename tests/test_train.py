@@ -332,15 +332,19 @@ def test_bad_input_stops_every_rank_with_a_hint(tmp_path, data_dir, user_models,
     assert not list(run_dir.glob("checkpoints/*"))
 
 
-def test_resume_with_another_world_size_or_other_settings_is_refused(tmp_path, data_dir):
+def test_resume_with_other_settings_or_a_batch_that_cannot_divide_is_refused(tmp_path,
+                                                                             data_dir):
     first = train(1, tmp_path, data_dir, "--max-steps", "2", "--epochs", "1")
     assert first.returncode == 0, first.output
-    second = train(2, tmp_path, data_dir, "--epochs", "1")
+    second = train(3, tmp_path, data_dir, "--epochs", "1")  # 64 samples do not split in 3
     assert second.returncode == EXIT_USER_ERROR, second.output
-    for rank in (0, 1):
-        assert f"[rank {rank}] error: " in second.stderr
-    assert "written by 1 ranks, this run has 2" in second.stderr
-    assert "HINT: resume with 1 ranks" in second.stderr
+    for rank in (0, 1, 2):
+        assert f"[rank {rank}] error: " in second.stderr, second.output
+        assert f"[rank {rank}] HINT: " in second.stderr, second.output
+    assert ("continues a run of global batch 64 (written by 1 ranks), which does not divide "
+            "into 3 ranks x 1 micro-batches") in second.stderr, second.output
+    assert "HINT: resume it on a number of ranks that divides the batch: 1, 2, 4, 8" in (
+        second.stderr)
     third = train(1, tmp_path, data_dir, "--epochs", "1", "--lr", "0.2")
     assert third.returncode == EXIT_USER_ERROR, third.output
     assert "belongs to a run with other settings: --lr 0.1 (now 0.2)" in third.stderr
