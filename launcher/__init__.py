@@ -23,6 +23,11 @@ _PUBLIC = {"distributed": "launcher.job", "Job": "launcher.job",
 __all__ = sorted(_PUBLIC)
 
 
+def __dir__() -> list[str]:
+    # the lazy names too, so that tab completion and dir(launcher) show the API
+    return sorted({*globals(), *__all__})
+
+
 def __getattr__(name: str):
     if name not in _PUBLIC:
         raise AttributeError(f"module 'launcher' has no attribute {name!r}")
