@@ -10,7 +10,8 @@
   the node index and count that ``launcher.detectors`` could only estimate, and fills ``hosts``.
 - torchrun and Slurm always provide both, so nothing is done for them.
 
-``start_store`` then starts the TCP store on rank 0 and connects the others to it. A rank that
+``start_store`` then starts the TCP store on rank 0 and connects the others to it (under
+torchrun every rank joins the store its agent already serves, where it does). A rank that
 is not rank 0 keeps trying while nothing listens yet (rank 0 may start later), but stops at once
 when something answers that is not a store: another program holds the port, and rank 0, unable
 to bind it, has stopped already.
@@ -110,7 +111,7 @@ def start_store(env: JobEnv, backend: str, timeout: timedelta) -> tuple[JobEnv, 
     (it outlives a broken group and tells which ranks still answer)."""
     env = resolve_rendezvous(env)
     try:
-        if env.rank == 0:
+        if env.rank == 0 and not _agent_store_listens(env):
             store = dist.TCPStore(env.master_addr, env.master_port, env.world_size,
                                   is_master=True, timeout=timeout, multi_tenant=True)
         else:
@@ -119,6 +120,19 @@ def start_store(env: JobEnv, backend: str, timeout: timedelta) -> tuple[JobEnv, 
     except (RuntimeError, ValueError) as exc:
         raise rendezvous_error(env, backend, exc) from None
     return env, store
+
+
+def _agent_store_listens(env: JobEnv) -> bool:
+    """Whether torchrun's agent already serves the store at the rendezvous address: it binds
+    it before it starts the workers (TORCHELASTIC_USE_AGENT_STORE), and a rank 0 that binds it
+    again gets an error logged by torch (which then joins as a client anyway)."""
+    if env.launcher != "torchrun":
+        return False
+    try:
+        socket.create_connection((env.master_addr, env.master_port), timeout=1).close()
+    except OSError:
+        return False
+    return True
 
 
 def _connect(env: JobEnv, timeout: timedelta) -> dist.Store:
