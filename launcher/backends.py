@@ -42,8 +42,9 @@ def select_backend(requested: str, cuda_available: bool, native_mpi: bool) -> st
     if requested == "nccl" and not cuda_available:
         raise LaunchError(
             "--backend nccl needs CUDA, and no usable GPU was found on this rank",
-            hint="use --backend gloo or mpi on CPU nodes, or run with GPUs (--nv for apptainer, "
-            "--gpus all for docker)",
+            hint="use --backend gloo or mpi on CPU nodes (launcher.distributed(backend=\"gloo\") "
+            "in a script of your own), or run with GPUs (--nv for apptainer, --gpus all for "
+            "docker)",
         )
     if requested == "mpi" and not native_mpi:
         from launcher import mpi_backend

@@ -24,8 +24,9 @@ def nccl_unless_gpus_are_shared(env: JobEnv, store: dist.Store, device: torch.de
         raise LaunchError(
             f"NCCL cannot run several ranks on one GPU, and {shared}",
             hint=f"start one rank per GPU ({torch.cuda.device_count()} visible on "
-            f"{env.hostname}; under Slurm --gpus-per-task=1), or use --backend gloo or mpi, "
-            "which let ranks share a GPU",
+            f"{env.hostname}; under Slurm --gpus-per-task=1), or use --backend gloo or mpi "
+            "(launcher.distributed(backend=\"gloo\") in a script of your own), which let ranks "
+            "share a GPU",
         )
     if env.is_main:
         print(f"note: {shared}; NCCL cannot share a GPU, so --backend auto uses gloo",

@@ -76,7 +76,8 @@ def diagnose(env: JobEnv, backend: str, store: dist.Store | None,
         f"rank {env.rank} on {env.hostname} lost contact in the {backend} process group"
         + (f": {who}" if who else "") + f" ({first_line(exc)})",
         hint="look at the named node (died, out of memory, cut off the network); then run the "
-        "same command again: --resume auto continues from the last checkpoint",
+        "same command again: it continues from the last checkpoint (launcher.train's --resume "
+        "auto, job.resume in a script of your own)",
     )
 
 
