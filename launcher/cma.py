@@ -118,9 +118,10 @@ def ptrace_scope() -> int | None:
 
 
 def job_key(env: JobEnv) -> str:
-    """A name the local ranks of one job share and no other running job on the node has: the
-    pid of the nearest ancestor that launched the ranks (Hydra's proxy, slurmstepd, Open MPI's
-    prted), so that a runtime between it and the rank (apptainer's starter) does not matter."""
+    """A name the local ranks of one job share and no other job on the node has: the pid and
+    start time of the nearest ancestor that launched the ranks (Hydra's proxy, slurmstepd, Open
+    MPI's prted), so that a runtime between it and the rank (apptainer's starter) does not
+    matter, and files a killed probe left behind never meet a later job with the same pid."""
     pid = os.getppid()
     while pid > 1:
         try:
@@ -128,9 +129,10 @@ def job_key(env: JobEnv) -> str:
         except OSError:
             break
         name = stat[stat.index("(") + 1:stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2:].split()
         if name in LAUNCH_DAEMONS:
-            return f"{env.launcher}-{pid}"
-        pid = int(stat[stat.rindex(")") + 2:].split()[1])
+            return f"{env.launcher}-{pid}-{fields[19]}"  # field 22 of stat(5): its start time
+        pid = int(fields[1])
     return f"{env.launcher}-{env.job_id or ''}-{env.master_port or ''}-{os.getppid()}"
 
 
