@@ -88,13 +88,17 @@ def export_root(client, tag: str, root: Path) -> None:
 
 
 def add_metadata(root: Path, image: sif_content.Image, definition: str) -> None:
-    """Apptainer's ``/.singularity.d/``, its root symlinks and mount points, into ROOT."""
+    """Apptainer's ``/.singularity.d/``, its root symlinks and mount points, and Charliecloud's
+    ``/ch/environment``, into ROOT."""
     for directory in sif_content.ROOT_DIRS:
         (root / directory).mkdir(parents=True, exist_ok=True)
     for relative in sif_content.EMPTY_FILES:
         (root / relative).unlink(missing_ok=True)
         (root / relative).write_text("")
-    for relative, text in sif_content.metadata_files(image, definition).items():
+    files = {**sif_content.metadata_files(image, definition),
+             **sif_content.charliecloud_files(image)}
+    for relative, text in files.items():
+        (root / relative).parent.mkdir(parents=True, exist_ok=True)
         (root / relative).write_text(text)
         (root / relative).chmod(sif_content.file_mode(relative))
     for name, target in sif_content.ROOT_LINKS.items():

@@ -190,8 +190,15 @@ def metadata_files(image: Image, definition: str) -> dict[str, str]:
     return files
 
 
+def charliecloud_files(image: Image) -> dict[str, str]:
+    """``/ch/environment``: the image's ENV as ``ch-convert`` writes it (``NAME=VALUE`` lines),
+    which ``ch-run --set-env`` reads, so that one file serves Charliecloud too."""
+    return {"ch/environment": "".join(f"{item}\n" for item in image.config.get("Env") or [])}
+
+
 def file_mode(path: str) -> int:
-    return 0o644 if path.endswith(("labels.json", "/Singularity", ".help")) else 0o755
+    return 0o644 if path.endswith(("labels.json", "/Singularity", ".help", "/environment")) \
+        else 0o755
 
 
 def inspect_metadata(image: Image, definition: str) -> str:

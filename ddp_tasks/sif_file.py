@@ -80,22 +80,36 @@ def mount_point(digest: str, directory: str = "/tmp") -> str:
     return f"{directory}/ddp-sif-{digest[:16]}"
 
 
-def mount_command(sif: str, offset: int, mountpoint: str) -> list[str]:
+def mount_command(sif: str, offset: int, mountpoint: str, foreground: bool = False) -> list[str]:
     """squashfuse mounts the partition read-only where it lies in the SIF (no copy)."""
-    return ["squashfuse", "-o", f"offset={offset}", sif, mountpoint]
+    return ["squashfuse", *(["-f"] if foreground else []), "-o", f"offset={offset}", sif,
+            mountpoint]
 
 
 def unmount_command(mountpoint: str) -> list[str]:
-    """Not lazy: a mount still in use by another job on the node stays (fusermount: busy)."""
+    """Not lazy: a mount still in use on the node stays (fusermount: busy)."""
     return ["fusermount", "-u", mountpoint]
 
 
+#: one task on every node of the job, beside the ranks' step (--overlap: it holds no CPUs); the
+#: counts are explicit, or the batch environment's SLURM_NTASKS would win over --ntasks-per-node
+_ON_EVERY_NODE = ('srun --nodes="$SLURM_JOB_NUM_NODES" --ntasks="$SLURM_JOB_NUM_NODES" '
+                  "--ntasks-per-node=1 --mpi=none --overlap")
+MOUNT_WAIT_S = 60
+
+
 def batch_mount_lines(sif: str, offset: int, mountpoint: str) -> list[str]:
-    """Lines of a batch script that mount the partition on every node of the job (once per
-    node) and unmount it when the script exits, requeue included."""
-    on_nodes = "srun --ntasks-per-node=1 --mpi=none"
-    mount = (f"mkdir -p {shlex.quote(mountpoint)} && {{ mountpoint -q {shlex.quote(mountpoint)}"
-             f" || {shlex.join(mount_command(sif, offset, mountpoint))}; }}")
-    unmount = shlex.join(unmount_command(mountpoint))
-    return [f"{on_nodes} sh -c {shlex.quote(mount)} || exit 1",
-            f"trap {shlex.quote(f'{on_nodes} {unmount} 2>/dev/null')} EXIT"]
+    """Batch script lines: every node of the job mounts the partition before the ranks start,
+    and unmounts it when the script exits (requeue included). squashfuse runs in the
+    foreground, as a job step of its own: a daemon left behind by an ended step would be killed
+    with it where Slurm tracks processes by cgroup. A node that has it mounted already (another
+    job of the same bytes) shares that mount."""
+    where = shlex.quote(mountpoint)
+    serve = (f"mkdir -p {where} && {{ mountpoint -q {where} || "
+             f"exec {shlex.join(mount_command(sif, offset, mountpoint, foreground=True))}; }}")
+    ready = (f"for i in $(seq {MOUNT_WAIT_S}); do mountpoint -q {where} && exit 0; sleep 1; "
+             "done; exit 1")
+    unmount = f"{_ON_EVERY_NODE} {shlex.join(unmount_command(mountpoint))} 2>/dev/null; wait"
+    return [f"{_ON_EVERY_NODE} sh -c {shlex.quote(serve)} &",
+            f"trap {shlex.quote(unmount)} EXIT",
+            f"{_ON_EVERY_NODE} sh -c {shlex.quote(ready)} || exit 1"]

@@ -6,4 +6,5 @@ pytest_plugins = [
     "tests.fixtures.slurm",
     "tests.fixtures.cluster",
     "tests.fixtures.host_mpi",
+    "tests.fixtures.sif",
 ]
