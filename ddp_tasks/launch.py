@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import os
 import shlex
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
+from dataclasses import replace
 from pathlib import Path
 
 from invoke import task
 from invoke.exceptions import Exit
 
-from ddp_tasks import commands
+from ddp_tasks import commands, sif_build, sif_file
 from launcher.errors import EXIT_USER_ERROR, LaunchError
 from launcher.hostlist import expand_hostlist
 
@@ -31,8 +32,9 @@ HELP = {
     "hosts": "one host per node: a,b or n[1-2] (Slurm form); docker default node0..node{N-1}",
     "prefix": "for --runtime docker: the container name prefix given to cluster.up --prefix",
     "hostfile": "for mpirun: a host file instead of --hosts",
-    "image": "the runtime's image: apptainer ddp.sif, charliecloud ddp-cpu (a directory from "
-    "`invoke chimage`), pyxis ddp+cpu.sqsh, podman-hpc ddp:cpu (the defaults)",
+    "image": "the runtime's image: apptainer ddp-cpu.sif, charliecloud ddp-cpu (a directory from "
+    "`invoke chimage`, or a SIF from `invoke sif`: its partition is mounted with squashfuse for "
+    "the job), pyxis ddp+cpu.sqsh, podman-hpc ddp:cpu (the defaults)",
     "gpus_per_node": "GPUs per node: srun/sbatch --gpus-per-node and apptainer --nv (default 0)",
     "cpus_per_task": "CPUs per rank for Slurm; also the default OMP_NUM_THREADS",
     "bind": "SRC[:DST] bound into the container (repeatable); the image has empty "
@@ -93,6 +95,36 @@ def _launch(*, hosts, env, signal, omp_threads, master_addr, master_port, ifname
     )
 
 
+def _sif_for_charliecloud(launch: commands.Launch) -> tuple[Path, int, str] | None:
+    """``(SIF, partition offset, mount point)`` when ch-run is to start from a SIF, else None."""
+    if launch.runtime != "charliecloud" or not launch.image.endswith(".sif"):
+        return None
+    offset, _, digest = sif_build.partition_of(Path(launch.image))
+    return Path(launch.image), offset, sif_file.mount_point(digest)
+
+
+def _mounted_here(launch: commands.Launch, sif, dry_run: bool):
+    """The SIF mounted on this machine for the run (a context); the mount point as image."""
+    if sif is None:
+        return nullcontext(launch)
+    if launch.nodes > 1 or launch.hosts or launch.hostfile:
+        raise LaunchError(
+            "`invoke run` mounts a SIF for ch-run on this machine only",
+            hint="on several nodes use `invoke sbatch --runtime charliecloud --image X.sif` "
+                 "(it mounts on every node), or an image directory from `invoke chimage`")
+    path, offset, where = sif
+    if dry_run:
+        print(shlex.join(sif_file.mount_command(str(path), offset, where)))
+        return nullcontext(replace(launch, image=where))
+
+    @contextmanager
+    def mounted():
+        with sif_build.mounted(path) as root:
+            yield replace(launch, image=str(root))
+
+    return mounted()
+
+
 @task(
     auto_shortflags=False,
     iterable=["bind", "env"],
@@ -118,11 +150,16 @@ def run(c, nodes=1, procs_per_node=1, launcher="mpirun", mpi="mpich", runtime="a
             args=tuple(shlex.split(args)), env=env, signal=signal, omp_threads=omp_threads,
             master_addr=master_addr, master_port=master_port, ifname=ifname,
         )
-        command = commands.render(commands.launch_segments(launch))
-    if dry_run:
-        print(command)
-        return
-    result = c.run(command, pty=False, warn=True)
+        commands.launch_segments(launch)  # a bad launch fails before anything is mounted
+        sif = _sif_for_charliecloud(launch)
+        with _mounted_here(launch, sif, dry_run) as mounted:
+            command = commands.render(commands.launch_segments(mounted))
+            if dry_run:
+                print(command)
+                if sif:
+                    print(shlex.join(sif_file.unmount_command(mounted.image)))
+                return
+            result = c.run(command, pty=False, warn=True)
     if result.exited:
         raise Exit(code=result.exited)
 
@@ -153,6 +190,11 @@ def sbatch(c, nodes=1, procs_per_node=1, runtime="apptainer", pmi="pmi2", image=
             signal=signal, omp_threads=omp_threads, master_addr="", master_port=0,
             ifname=ifname, hosts="",
         )
+        sif = _sif_for_charliecloud(launch)
+        if sif:
+            # every node mounts the partition before the ranks start, and unmounts at exit
+            setup = [*(setup or ()), *sif_file.batch_mount_lines(str(sif[0].resolve()), *sif[1:])]
+            launch = replace(launch, image=sif[2])
         text = commands.batch_script(launch, commands.Batch(
             job_name=job_name, time=time, partition=partition, account=account,
             signal=_signal(signal),

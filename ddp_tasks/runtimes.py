@@ -67,7 +67,7 @@ class Runtime:
 
 
 class Apptainer(Runtime):
-    name, default_image = "apptainer", "ddp.sif"
+    name, default_image = "apptainer", "ddp-cpu.sif"
     ENV_PREFIX = "APPTAINERENV_"
 
     #: Apptainer 1.3+ (``--sharens``): the first rank of a node starts the container, the
