@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import select
 import sys
 import time
 from pathlib import Path
@@ -70,16 +71,27 @@ class RankLog:
 
 
 def print_lines(rank: int, text: str, stream: TextIO = sys.stdout) -> None:
-    """Every line of ``text`` prefixed ``[rank R]``, in one write: under mpiexec the ranks share
-    one pipe, and separate writes of a line and its newline interleave with other ranks'."""
-    data = "".join(f"[rank {rank}] {line}\n" for line in text.split("\n")).encode()
+    """Every line of ``text`` prefixed ``[rank R]``, written whole lines at a time: under mpiexec
+    the ranks' output meets in one stream, where a write of at most ``PIPE_BUF`` bytes (4 KiB)
+    arrives in one piece and a line split over two writes can take another rank's between."""
+    lines = [f"[rank {rank}] {line}\n".encode() for line in text.split("\n")]
     try:
         fd = stream.fileno()
     except (AttributeError, OSError, ValueError):  # a stream with no file behind it (a test's)
-        stream.write(data.decode())
+        stream.write(b"".join(lines).decode())
         stream.flush()
         return
     stream.flush()
+    chunk = b""
+    for line in lines:
+        if chunk and len(chunk) + len(line) > select.PIPE_BUF:
+            _write_all(fd, chunk)
+            chunk = b""
+        chunk += line
+    _write_all(fd, chunk)
+
+
+def _write_all(fd: int, data: bytes) -> None:
     while data:
         data = data[os.write(fd, data):]
 

@@ -1,0 +1,146 @@
+"""The public API's edges, as a script of a user's own meets them: checkpoints read by plain
+``torch.load`` and by ``job.load`` in one process, a save that resume could not load refused on
+every rank, ``timeout_s`` checked, ``job.print`` on every rank in whole lines, ``dir(launcher)``,
+and torchrun without a TCPStore bind error."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import launcher
+from launcher.errors import EXIT_USER_ERROR
+from tests.fixtures.mpi import REPO_ROOT, clean_environ, run_mpi
+
+SAVE = """\
+import sys, torch, launcher
+from torch import nn
+with launcher.distributed("gloo") as job:
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.ones(4, 3)).sum().backward()
+    optimizer.step()
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+    job.print(job.save(sys.argv[1], 5, state, samples=40))
+"""
+
+LOAD = """\
+import sys, torch, launcher
+from torch import nn
+with launcher.distributed() as job:
+    model = nn.Linear(3, 2)
+    state = job.load(sys.argv[1])
+    model.load_state_dict(state["model"])
+    print("loaded step", state["step"], "samples", state["samples"], "on", job.world_size)
+"""
+
+UNLOADABLE = """\
+import argparse, sys, torch, launcher
+with launcher.distributed("gloo") as job:
+    job.save(sys.argv[1], 1, {"args": argparse.Namespace(lr=0.1), "w": torch.ones(2)})
+"""
+
+TIMEOUT = """\
+import sys, launcher
+with launcher.distributed(timeout_s=eval(sys.argv[1])) as job:
+    print("started")
+"""
+
+PRINT = """\
+import launcher
+with launcher.distributed("gloo") as job:
+    for i in range(1000):
+        job.print(f"first {i}\\nsecond {i}", every_rank=True)
+    job.print("rank 0 alone")
+"""
+
+
+def script(tmp_path: Path, name: str, text: str) -> str:
+    path = tmp_path / f"{name}.py"
+    path.write_text(text)
+    return str(path)
+
+
+def python(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=120,
+                          env=clean_environ(), cwd=REPO_ROOT)
+
+
+def torchrun(*args: str) -> subprocess.CompletedProcess:
+    return python("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *args)
+
+
+@pytest.mark.mpi
+def test_a_two_rank_checkpoint_loads_with_torch_load_and_in_one_process(tmp_path):
+    saved = run_mpi(2, [script(tmp_path, "save", SAVE), str(tmp_path / "ckpts")], timeout=120)
+    assert saved.returncode == 0, saved.output
+    path = tmp_path / "ckpts" / "ckpt-00000005.pt"
+    assert saved.stdout.strip() == str(path), saved.output
+
+    plain = torch.load(path, weights_only=True)
+    assert plain["step"] == 5 and plain["samples"] == 40 and plain["world_size"] == 2
+    assert len(plain["rng"]) == 2 and set(plain["model"]) == {"weight", "bias"}
+    assert plain["optimizer"]["state"][0]["momentum_buffer"].shape == (2, 3)
+
+    loaded = python(script(tmp_path, "load", LOAD), str(path))  # a str, in one process
+    assert loaded.returncode == 0, loaded.stdout + loaded.stderr
+    assert "loaded step 5 samples 40 on 1" in loaded.stdout
+    assert (f"{path} was written by 2 ranks, resuming on 1: data order continues by global "
+            "sample; not bit-identical to an uninterrupted 2-rank run") in loaded.stdout
+
+
+@pytest.mark.mpi
+def test_a_save_that_resume_could_not_load_is_refused_on_every_rank(tmp_path):
+    directory = tmp_path / "ckpts"
+    result = run_mpi(2, [script(tmp_path, "bad", UNLOADABLE), str(directory)], timeout=120)
+    assert result.returncode == EXIT_USER_ERROR, result.output
+    cause = ("job.save: state['args'] (argparse.Namespace) cannot be loaded back with "
+             "torch.load(weights_only=True), so resume would fail")
+    assert f"[rank 0] error: {cause}" in result.stderr, result.output
+    assert f"[rank 1] error: rank 0 failed: {cause}" in result.stderr, result.output
+    for rank in (0, 1):
+        assert f"[rank {rank}] HINT: save tensors, numbers" in result.stderr, result.output
+    assert "Traceback" not in result.stderr
+    assert not directory.exists() or not list(directory.iterdir())
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "'10'", "True", "float('nan')", "None"])
+def test_timeout_s_must_be_a_positive_number(tmp_path, value):
+    result = python(script(tmp_path, "timeout", TIMEOUT), value)
+    assert result.returncode == EXIT_USER_ERROR, result.stdout + result.stderr
+    shown = repr(eval(value))
+    assert (f"[rank 0] error: launcher.distributed(timeout_s={shown}): the timeout must be a "
+            "positive number of seconds") in result.stderr, result.stderr
+    assert "[rank 0] HINT: pass how long a collective may wait" in result.stderr
+    assert "Traceback" not in result.stderr and "started" not in result.stdout
+
+
+@pytest.mark.mpi
+def test_print_on_every_rank_gives_whole_prefixed_lines(tmp_path):
+    result = run_mpi(2, [script(tmp_path, "print", PRINT)], timeout=120)
+    assert result.returncode == 0, result.output
+    lines = result.stdout.splitlines()
+    for rank in (0, 1):
+        for i in range(1000):
+            assert f"[rank {rank}] first {i}" in lines and f"[rank {rank}] second {i}" in lines
+    assert lines.count("rank 0 alone") == 1
+    assert all(re.fullmatch(r"\[rank [01]\] (first|second) \d+|rank 0 alone", line)
+               for line in lines), result.stdout
+
+
+def test_dir_lists_the_public_names():
+    assert {"distributed", "Job", "exit_statuses", "LaunchError"} <= set(dir(launcher))
+
+
+def test_torchrun_prints_no_store_bind_error(tmp_path):
+    result = torchrun(script(tmp_path, "print", PRINT))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "TCPStore" not in result.stderr and "failed to bind" not in result.stderr, (
+        result.stderr)
+    assert result.stdout.count("[rank 1] second 999") == 1
