@@ -20,6 +20,7 @@ from pathlib import Path
 import yaml
 from invoke import Collection, task
 
+from launcher import shm
 from launcher.errors import LaunchError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -39,10 +40,8 @@ IMAGE_REF = "${DDP_IMAGE:-" + DEFAULT_IMAGE + "}"
 #: container names are the host names (``docker exec node0``) unless clusters share an engine,
 #: as tests do: then DDP_PREFIX makes them unique
 PREFIX_REF = "${DDP_PREFIX:-}"
-#: Docker's 64 MB default breaks DataLoader workers and NCCL (PITFALLS.md)
-SHM_SIZE = "1g"
-#: the cluster network's interface inside every container: gloo must not pick another one
-IFNAME = "eth0"
+#: ranks per node the committed compose file is sized for (/dev/shm: launcher.shm)
+DEFAULT_PROCS_PER_NODE = 4
 SHARED_DIR = "/shared"
 CLUSTER_SCRIPTS = "/opt/ddp/cluster"
 HEALTH_TIMEOUT = 120  # seconds for every node of a fresh cluster to answer ssh
@@ -73,7 +72,8 @@ def _check_nodes(nodes: int) -> None:
         raise LaunchError(f"--nodes {nodes} must be at least 1", hint="pass --nodes 2 or more")
 
 
-def _node_service(host: str, all_hosts: list[str], image: str, scripts: str) -> dict:
+def _node_service(host: str, all_hosts: list[str], image: str, scripts: str,
+                  procs_per_node: int, memlock: bool) -> dict:
     depends = {"keygen": {"condition": "service_completed_successfully"}}
     if host == all_hosts[0]:
         # mpiexec starts on the first node: it comes up only once every other node answers ssh
@@ -87,10 +87,11 @@ def _node_service(host: str, all_hosts: list[str], image: str, scripts: str) -> 
         # sshd would not reap the orphans of dropped sessions: docker's init does
         "init": True,
         "entrypoint": [f"{CLUSTER_SCRIPTS}/node.sh"],
-        "shm_size": SHM_SIZE,
+        # Docker's 64 MiB /dev/shm and its memlock limit are too small for MPI, NCCL and RDMA
+        "shm_size": shm.docker_size(shm.recommended_shm(procs_per_node)),
+        **({"ulimits": {"memlock": -1}} if memlock else {}),
+        # no interface here: every rank takes the one that routes to rank 0 (launcher.network)
         "environment": {
-            "GLOO_SOCKET_IFNAME": IFNAME,
-            "NCCL_SOCKET_IFNAME": IFNAME,
             "DDP_CLUSTER_HOSTS": ",".join(all_hosts),
             "DDP_SHARED_DIR": SHARED_DIR,
             # mpiexec's ssh: ends mpiexec when a node is cut off (see ssh-launch.sh)
@@ -110,10 +111,16 @@ def _node_service(host: str, all_hosts: list[str], image: str, scripts: str) -> 
 
 
 def mpi_compose(nodes: int = DEFAULT_NODES, image: str = IMAGE_REF,
-                scripts: str = "./cluster") -> dict:
-    """The compose spec of an N-node MPI cluster (``scripts``: docker/cluster as seen from the
-    compose file's project directory)."""
+                scripts: str = "./cluster", procs_per_node: int = DEFAULT_PROCS_PER_NODE,
+                memlock: bool = True) -> dict:
+    """The compose spec of an N-node MPI cluster for up to ``procs_per_node`` ranks per node
+    (``scripts``: docker/cluster as seen from the compose file's project directory);
+    ``memlock``: unlimited locked memory, which an engine without CAP_SYS_RESOURCE (rootless,
+    some VMs) cannot grant."""
     _check_nodes(nodes)
+    if procs_per_node < 1:
+        raise LaunchError(f"--procs-per-node {procs_per_node} must be at least 1",
+                          hint="pass the most ranks a node will run, e.g. --procs-per-node 4")
     all_hosts = hosts(nodes)
     services = {
         "keygen": {
@@ -126,7 +133,8 @@ def mpi_compose(nodes: int = DEFAULT_NODES, image: str = IMAGE_REF,
         },
     }
     for host in all_hosts:
-        services[host] = _node_service(host, all_hosts, image, scripts)
+        services[host] = _node_service(host, all_hosts, image, scripts, procs_per_node,
+                                       memlock)
     return {
         "services": services,
         "networks": {"cluster": {"driver": "bridge"}},
@@ -215,21 +223,47 @@ def leftovers(project: str) -> list[str]:
 
 # --------------------------------------------------------------------------------- clusters
 
-def mpi_compose_file(nodes: int, project: str) -> Path:
-    """The committed file for the default node count, else one generated under runs/cluster/."""
-    if nodes == DEFAULT_NODES:
+def mpi_compose_file(nodes: int, project: str,
+                     procs_per_node: int = DEFAULT_PROCS_PER_NODE, memlock: bool = True) -> Path:
+    """The committed file for the default shape, else one generated under runs/cluster/."""
+    if (nodes, procs_per_node, memlock) == (DEFAULT_NODES, DEFAULT_PROCS_PER_NODE, True):
         return MPI_COMPOSE
     path = RUNS_DIR / project / "compose.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(render(mpi_compose(nodes), nodes))
+    path.write_text(render(mpi_compose(nodes, procs_per_node=procs_per_node, memlock=memlock),
+                           nodes))
     return path
 
 
+def engine_grants_memlock(image: str) -> bool:
+    """Whether the Docker engine can start a container with unlimited locked memory: not
+    without CAP_SYS_RESOURCE ("error setting rlimit type 8: operation not permitted")."""
+    probe = subprocess.run(["docker", "run", "--rm", "--ulimit", "memlock=-1", "--entrypoint",
+                            "true", image], capture_output=True, text=True, timeout=120)
+    if probe.returncode != 0 and "rlimit" not in probe.stderr:
+        raise LaunchError(f"docker run {image} failed: {probe.stderr.strip()[-300:]}",
+                          hint="build the image first: invoke build")
+    return probe.returncode == 0
+
+
 def up_mpi(nodes: int = DEFAULT_NODES, project: str = DEFAULT_PROJECT, prefix: str = "",
-           image: str = DEFAULT_IMAGE, timeout: float = HEALTH_TIMEOUT) -> float:
-    """Start an MPI cluster and wait until every node answers ssh; the seconds that took."""
+           image: str = DEFAULT_IMAGE, timeout: float = HEALTH_TIMEOUT,
+           procs_per_node: int = DEFAULT_PROCS_PER_NODE, memlock: bool | None = None) -> float:
+    """Start an MPI cluster and wait until every node answers ssh; the seconds that took.
+    ``memlock`` None: unlimited locked memory where the engine grants it."""
     _check_nodes(nodes)
-    compose_file = mpi_compose_file(nodes, project)
+    if memlock is None:
+        memlock = engine_grants_memlock(image)
+    if not memlock:
+        print("note: this Docker engine cannot lift the memlock limit (no CAP_SYS_RESOURCE: "
+              "rootless, or a restricted VM); the nodes keep its limit", file=sys.stderr)
+    return start_mpi(mpi_compose_file(nodes, project, procs_per_node, memlock), nodes, project,
+                     prefix, image, timeout)
+
+
+def start_mpi(compose_file: Path, nodes: int, project: str, prefix: str, image: str,
+              timeout: float = HEALTH_TIMEOUT) -> float:
+    """``up`` an MPI cluster's compose file; wait for its nodes; the seconds that took."""
     start = time.monotonic()
     _run(compose_argv(project, compose_file, "up", "--detach", "--no-build"),
          env=compose_env(prefix, DDP_IMAGE=image))
@@ -264,11 +298,16 @@ def build_slurm_image(base: str = DEFAULT_IMAGE, tag: str = DEFAULT_SLURM_IMAGE,
 
 # ------------------------------------------------------------------------------------ tasks
 
-@task(help={"nodes": f"node count (default {DEFAULT_NODES})",
+PROCS_HELP = (f"the most ranks a node will run (default {DEFAULT_PROCS_PER_NODE}): /dev/shm is "
+              f"{shm.SHM_PER_RANK // shm.MIB} MiB per rank, at least "
+              f"{shm.SHM_FLOOR // shm.MIB} MiB")
+
+
+@task(help={"nodes": f"node count (default {DEFAULT_NODES})", "procs_per_node": PROCS_HELP,
             "out": "where to write it (default: print it)"})
-def compose(c, nodes=DEFAULT_NODES, out=""):
+def compose(c, nodes=DEFAULT_NODES, procs_per_node=DEFAULT_PROCS_PER_NODE, out=""):
     """Print (or write) the compose file of an N-node MPI cluster."""
-    text = render(mpi_compose(nodes), nodes)
+    text = render(mpi_compose(nodes, procs_per_node=procs_per_node), nodes)
     if out:
         Path(out).write_text(text)
     else:
@@ -279,9 +318,11 @@ def compose(c, nodes=DEFAULT_NODES, out=""):
             "image": f"project image for the nodes (default {DEFAULT_IMAGE})",
             "project": f"compose project name (default {DEFAULT_PROJECT})",
             "prefix": "prefix of the container names (default none: node0, node1 ...)",
+            "procs_per_node": PROCS_HELP,
             "slurm": "start the Slurm cluster (slurmctld, node0, node1) instead",
             "build": "with --slurm: (re)build the Slurm image from --image first"})
-def up(c, nodes=DEFAULT_NODES, image="", project="", prefix="", slurm=False, build=False):
+def up(c, nodes=DEFAULT_NODES, image="", project="", prefix="", slurm=False, build=False,
+       procs_per_node=DEFAULT_PROCS_PER_NODE):
     """Start a compose cluster and wait until all its nodes are healthy."""
     if slurm:
         project = project or "ddp-slurm"
@@ -293,7 +334,8 @@ def up(c, nodes=DEFAULT_NODES, image="", project="", prefix="", slurm=False, bui
               "python -m launcher.check")
         return
     project = project or DEFAULT_PROJECT
-    seconds = up_mpi(nodes, project, prefix, image or DEFAULT_IMAGE, HEALTH_TIMEOUT)
+    seconds = up_mpi(nodes, project, prefix, image or DEFAULT_IMAGE, HEALTH_TIMEOUT,
+                     procs_per_node)
     print(f"MPI cluster {project!r}: {nodes} nodes healthy in {seconds:.1f} s. Try:\n"
           f"  invoke run --runtime docker --nodes {nodes} --module launcher.check")
 

@@ -272,6 +272,10 @@ def launch_segments(launch: Launch) -> list[list[str]]:
     if launch.runtime == "docker" and not (launch.hosts or launch.hostfile):
         launch = replace(launch, hosts=tuple(cluster_hosts(launch.nodes)))
     validate(launch)
+    if launch.runtime == "docker" and "DDP_HOSTS" not in dict(launch.env):
+        # Hydra exports no node list: with it each rank names its interface (the route to
+        # another node) before MPI starts, also on the node whose own name is loopback
+        launch = replace(launch, env=(*launch.env, ("DDP_HOSTS", ",".join(launch.hosts))))
     if launch.launcher == "srun":
         launcher, env = srun_argv(launch)
     elif launch.mpi == "openmpi":

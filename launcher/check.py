@@ -1,7 +1,9 @@
 """``python -m launcher.check``: the cluster smoke test of the classic set-up guides, as a tool.
 
 Every rank reports where it runs and the versions and paths that must be identical on every
-node; rank 0 prints one table. Any difference between ranks is a failure (one line each).
+node; rank 0 prints one table. Any difference between ranks is a failure (one line each). Each
+rank also reports its network interface (``launcher.network``), its node's /dev/shm and memlock
+limit; limits below what the node's ranks need are warnings (``launcher.shm``), one per node.
 Then, for each backend asked for, a ping-pong between rank 0 and every other rank and an
 all_reduce whose result every rank checks.
 
@@ -21,7 +23,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
-from launcher import mpi_library
+from launcher import mpi_library, shm
 from launcher.backends import BACKEND_CHOICES
 from launcher.env import JobEnv, detect_environment
 from launcher.errors import LaunchError
@@ -68,6 +70,10 @@ class RankReport:
     cuda: str
     nccl: str
     image: str
+    interface: str  # the interface and address this rank uses, and why (launcher.network)
+    shm_mib: int  # /dev/shm of this rank's node
+    memlock: str  # its locked-memory limit: "unlimited" or KiB
+    warnings: tuple[str, ...]  # this node's limits below what its ranks need
 
 
 def collect_report(env: JobEnv, device: torch.device) -> RankReport:
@@ -80,6 +86,7 @@ def collect_report(env: JobEnv, device: torch.device) -> RankReport:
     # what torch was built with, GPU or not: a CPU-only node reports the cuda image's versions
     if torch.version.cuda and hasattr(torch.cuda, "nccl"):
         nccl = ".".join(str(part) for part in torch.cuda.nccl.version())
+    memory = shm.read_node_memory()
     return RankReport(
         rank=env.rank,
         local_rank=env.local_rank,
@@ -99,6 +106,10 @@ def collect_report(env: JobEnv, device: torch.device) -> RankReport:
         cuda=cuda,
         nccl=nccl,
         image=env.image or "-",
+        interface=env.network.describe() if env.network else "-",
+        shm_mib=memory.shm_size // shm.MIB,
+        memlock="unlimited" if memory.memlock == shm.UNLIMITED else str(memory.memlock // 1024),
+        warnings=tuple(shm.warnings(env.local_world_size, memory)),
     )
 
 
@@ -149,8 +160,9 @@ def _ranges(ranks: list[int]) -> str:
 
 
 def format_table(reports: list[RankReport]) -> str:
-    columns = ("rank", "local_rank", "node_rank", "host", "launcher", "device",
-               "pmi", "mpi_abi", "python_version", "torch", "mpi4py", "mpi_library")
+    columns = ("rank", "local_rank", "node_rank", "host", "launcher", "device", "interface",
+               "shm_mib", "memlock", "pmi", "mpi_abi", "python_version", "torch", "mpi4py",
+               "mpi_library")
     rows = [[str(getattr(r, c)) for c in columns] for r in reports]
     widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(columns)]
     header = "  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)).rstrip()
@@ -158,7 +170,13 @@ def format_table(reports: list[RankReport]) -> str:
             for row in rows]
     shared = reports[0]
     footer = [f"{field}: {getattr(shared, field)}" for field in (*MUST_MATCH, "mpi_choice")]
-    return "\n".join([header, *body, "", *footer])
+    return "\n".join([header, *body, "", *footer, *node_warnings(reports)])
+
+
+def node_warnings(reports: list[RankReport]) -> list[str]:
+    """``WARNING host: ...`` once per node and limit."""
+    lines = {f"WARNING {r.host}: {w}": None for r in reports for w in r.warnings}
+    return list(lines)
 
 
 @dataclass(frozen=True)
@@ -221,6 +239,7 @@ def run_check(env: JobEnv, backends: list[str], timeout_s: float, as_json: bool)
                 reports = [RankReport(**r) for r in gather(mine)]
                 problems += find_differences(reports)
                 summary["ranks"] = [asdict(r) for r in reports]
+                summary["warnings"] = node_warnings(reports)
                 say(format_table(reports), flush=True)
             results = gather(check_collectives(ctx))
         errors = [f"{ctx.backend}: {e}" for result in results for e in result.errors]

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 from launcher.detectors import Slurm, detect_launcher, read_int
 from launcher.errors import LaunchError, report_and_exit
+from launcher.hostlist import expand_hostlist
+from launcher.network import NetworkChoice, choose, loops_back
 
 #: signals that cannot be caught, so cannot announce a preemption
 _UNCATCHABLE = {"KILL", "STOP"}
@@ -42,7 +44,7 @@ class JobEnv:
     master_addr: str | None  # None = decided at start-up: rank 0's address broadcast over MPI
     master_port: int | None  # None = decided at start-up: a free port picked by rank 0
     hostname: str
-    hosts: tuple[str, ...] = ()  # node list when the launcher tells it (Slurm), else ()
+    hosts: tuple[str, ...] = ()  # node list: Slurm's, else DDP_HOSTS (invoke run --hosts)
     job_id: str | None = None
     visible_devices: str | None = None  # CUDA_VISIBLE_DEVICES as given
     image: str | None = None  # DDP_IMAGE: identity of the project's container image
@@ -50,6 +52,8 @@ class JobEnv:
     pmi: str = "none"  # what the launcher offers MPI: "pmix" | "pmi" (PMI-1/PMI-2) | "none"
     library_path: tuple[str, ...] = ()  # LD_LIBRARY_PATH's directories, in order
     mpi4py_request: str | None = None  # MPI4PY_LIBMPI / MPI4PY_MPIABI as the user set them
+    ifname: str | None = None  # GLOO_SOCKET_IFNAME as the user set it (--ifname)
+    network: NetworkChoice | None = None  # the interface used, chosen at start-up
 
     @property
     def is_main(self) -> bool:
@@ -104,6 +108,13 @@ def _master_port(environ: Mapping[str, str]) -> int | None:
             "such as 29500",
         )
     return port
+
+
+def _given_hosts(environ: Mapping[str, str]) -> tuple[str, ...]:
+    """DDP_HOSTS: the nodes ``invoke run --hosts`` names; MPI launchers export no node list."""
+    if not environ.get("DDP_HOSTS", "").strip():
+        return ()
+    return tuple(expand_hostlist(environ["DDP_HOSTS"], "DDP_HOSTS"))
 
 
 def visible_device_count(visible_devices: str | None) -> int | None:
@@ -165,7 +176,7 @@ def detect_environment(
         master_addr=master_addr,
         master_port=master_port,
         hostname=hostname or socket.gethostname(),
-        hosts=placement.hosts,
+        hosts=placement.hosts or _given_hosts(environ),
         job_id=placement.job_id,
         visible_devices=environ.get("CUDA_VISIBLE_DEVICES"),
         image=environ.get("DDP_IMAGE") or None,
@@ -173,6 +184,7 @@ def detect_environment(
         pmi=launch_pmi(environ),
         library_path=tuple(filter(None, environ.get("LD_LIBRARY_PATH", "").split(":"))),
         mpi4py_request=_mpi4py_request(environ),
+        ifname=environ.get("GLOO_SOCKET_IFNAME", "").strip() or None,
     )
 
 
@@ -181,6 +193,7 @@ def describe(env: JobEnv, environ: Mapping[str, str]) -> str:
     rows = dataclasses.asdict(env)
     rows["hosts"] = ",".join(env.hosts) or "-"
     rows["library_path"] = ":".join(env.library_path) or "-"
+    rows["network"] = _network_row(env)
     width = max(len(key) for key in rows)
     lines = [f"{key:<{width}}  {'-' if value is None else value}" for key, value in rows.items()]
     if env.launcher == "single" and Slurm.job_id(environ) is not None:
@@ -192,6 +205,31 @@ def describe(env: JobEnv, environ: Mapping[str, str]) -> str:
     if env.master_addr is None or env.master_port is None:
         lines.append("note: missing rendezvous address/port are chosen by rank 0 at start-up")
     return "\n".join(lines)
+
+
+def network_target(env: JobEnv) -> str | None:
+    """The host whose route names the interface before any rank has spoken: the rendezvous
+    host, unless this node reaches it over loopback (its own name may resolve to 127.0.1.1):
+    then another node of the job, when the node list is known."""
+    others = [host for host in env.hosts if host != env.hostname]
+    if env.master_addr and not (others and loops_back(env.master_addr)):
+        return env.master_addr
+    return others[0] if others else None
+
+
+def planned_network(env: JobEnv) -> NetworkChoice | None:
+    """The interface start-up will choose, when the rendezvous host is known already."""
+    return env.network or choose(env.ifname, network_target(env), env.num_nodes > 1)
+
+
+def _network_row(env: JobEnv) -> str:
+    try:
+        planned = planned_network(env)
+    except LaunchError as error:
+        return f"none: {error.message}"
+    if planned is None:
+        return "chosen at start-up: the route to rank 0's address"
+    return planned.describe()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -207,7 +245,8 @@ def main(argv: list[str] | None = None) -> None:
         report_and_exit(error)
     if args.json:
         record = dataclasses.asdict(env)
-        record.update(is_main=env.is_main, is_distributed=env.is_distributed)
+        record.update(is_main=env.is_main, is_distributed=env.is_distributed,
+                      network=_network_row(env))
         print(json.dumps(record, sort_keys=True), flush=True)
     else:
         print(describe(env, os.environ), flush=True)

@@ -31,7 +31,7 @@ from launcher.env import JobEnv, local_device_index
 from launcher.errors import PeerLost, RankFailed, raised_everywhere
 from launcher.gpu_sharing import nccl_unless_gpus_are_shared
 from launcher.peer_lost import diagnose, is_communication_failure
-from launcher.rendezvous import rendezvous_error, start_store
+from launcher.rendezvous import rendezvous_error, start_mpi, start_store
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,7 +67,7 @@ def process_group(
     resolved = resolve_auto(backend, cuda_available,
                             mpi_library.measured_faster_than_gloo(env, mpi_library.load(env)))
     if resolved == "mpi":
-        mpi_library.start(env)
+        start_mpi(env)
     name = select_backend(resolved, cuda_available, dist.is_mpi_available())
     device = bind_device(env, cuda_available)
     timeout = timedelta(seconds=timeout_s)

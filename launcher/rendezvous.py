@@ -4,10 +4,12 @@
 
 - one process: 127.0.0.1 (unless given) and a free port;
 - several processes under an MPI launcher (openmpi, mvapich, pals, hydra): rank 0 picks its
-  address -- the IP its host name resolves to, or the host name itself when that IP is loopback
-  (the name may still resolve to a reachable address on the other hosts) -- and a free TCP
-  port, and broadcasts both over ``MPI.COMM_WORLD``. One allgather of host names also replaces
-  the node index and count that ``launcher.detectors`` could only estimate, and fills ``hosts``.
+  address -- the one the ranks of the other nodes resolve its host name to and this node holds
+  (its own node may resolve the name to 127.0.1.1, or to its address on another network); on
+  one node the IP its name resolves to, or the name itself when that is loopback -- and a free
+  TCP port, and broadcasts both over ``MPI.COMM_WORLD``. One allgather of host names also
+  replaces the node index and count that ``launcher.detectors`` could only estimate, and
+  fills ``hosts``.
 - torchrun and Slurm always provide both, so nothing is done for them.
 
 ``start_store`` then starts the TCP store on rank 0 and connects the others to it (under
@@ -32,12 +34,14 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from launcher import mpi_library
-from launcher.env import JobEnv
+from launcher import mpi_library, network, shm
+from launcher.env import JobEnv, planned_network
 from launcher.errors import LaunchError
 from launcher.peer_lost import HOST_KEY, first_line, quiet_c10d
 
 MPI_LAUNCHERS = frozenset({"openmpi", "mvapich", "pals", "hydra"})
+#: where the ranks of other nodes publish the address they reach the rendezvous host at
+SEEN_KEY = "ddp/network/rendezvous-seen-as"
 #: seconds of one attempt to reach rank 0's store; a store answers within milliseconds
 CONNECT_ATTEMPT_S = 3.0
 
@@ -49,11 +53,23 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def reachable_address(hostname: str) -> str:
-    """This host's address as other hosts should dial it: IP if not loopback, else the name."""
+def resolve(hostname: str) -> str | None:
+    """The IPv4 address ``hostname`` resolves to on this node, or None."""
     try:
-        address = socket.gethostbyname(hostname)
+        return socket.gethostbyname(hostname)
     except OSError:
+        return None
+
+
+def reachable_address(hostname: str, seen_by_peers: list[str | None] = ()) -> str:
+    """This host's address as other hosts should dial it: the one they resolve its name to
+    and it holds; else its IP if not loopback; else the name (other hosts may resolve it)."""
+    own = [a for a in seen_by_peers
+           if a and not network.is_loopback(a) and network.interface_of(a)]
+    if own:
+        return max(set(own), key=own.count)
+    address = resolve(hostname)
+    if address is None:
         return hostname
     return hostname if ipaddress.ip_address(address).is_loopback else address
 
@@ -77,8 +93,26 @@ def resolve_rendezvous(env: JobEnv) -> JobEnv:
     return env
 
 
+def start_mpi(env: JobEnv):
+    """``MPI.COMM_WORLD`` (``mpi_library.start``), after the checks that MPI cannot make."""
+    choice = mpi_library.load(env)
+    if choice.bundled_mpich:
+        error = shm.too_small_for_mpi(env.local_world_size, shm.read_node_memory())
+        if error is not None:
+            raise error
+    abi = ("mpich" if choice.bundled_mpich
+           else "openmpi" if choice.path == str(mpi_library.BUNDLED_OPENMPI) else "")
+    try:
+        planned = planned_network(env)
+    except LaunchError:
+        planned = None  # the store's rendezvous says why, or the peers tell rank 0's address
+    if planned is not None and abi:
+        network.apply(planned, abi)
+    return mpi_library.start(env)
+
+
 def _over_mpi(env: JobEnv) -> JobEnv:
-    comm = mpi_library.start(env)
+    comm = start_mpi(env)
     if (comm.Get_rank(), comm.Get_size()) != (env.rank, env.world_size):
         raise LaunchError(
             f"the launcher says rank {env.rank} of {env.world_size} ({env.launcher}) but MPI "
@@ -87,14 +121,17 @@ def _over_mpi(env: JobEnv) -> JobEnv:
             "job: launch with the matching mpiexec, or point mpi4py at that MPI "
             "(MPI4PY_MPIABI=mpich|openmpi|impi, MPI4PY_LIBMPI=/path/to/libmpi.so)",
         )
+    names = comm.allgather(env.hostname)
+    # how the other nodes see rank 0: its own node may resolve its name to loopback, or to its
+    # address on a network the others do not share
+    seen = comm.gather(resolve(names[0]) if env.hostname != names[0] else None, root=0)
     picked = None
     if comm.Get_rank() == 0:
         picked = (
-            env.master_addr or reachable_address(env.hostname),
+            env.master_addr or reachable_address(env.hostname, seen),
             env.master_port or free_port(),
         )
     master_addr, master_port = comm.bcast(picked, root=0)
-    names = comm.allgather(env.hostname)
     hosts = tuple(dict.fromkeys(names))  # distinct, in order of their lowest rank
     return replace(
         env,
@@ -117,9 +154,25 @@ def start_store(env: JobEnv, backend: str, timeout: timedelta) -> tuple[JobEnv, 
         else:
             store = _connect(env, timeout)
         store.set(f"{HOST_KEY}/{env.rank}", env.hostname)
+        env = _choose_network(env, store)
     except (RuntimeError, ValueError) as exc:
         raise rendezvous_error(env, backend, exc) from None
     return env, store
+
+
+def _choose_network(env: JobEnv, store: dist.Store) -> JobEnv:
+    """The interface towards rank 0's address, for gloo and NCCL. Where that route is
+    loopback (rank 0's node, whose name may resolve to 127.0.1.1 there), the address the ranks
+    of the other nodes reached it at."""
+    spans = env.num_nodes > 1
+    seen = None
+    if spans and env.node_rank != 0:
+        store.set(SEEN_KEY, resolve(env.master_addr) or "")
+    elif spans and not env.ifname and network.loops_back(env.master_addr):
+        seen = store.get(SEEN_KEY).decode() or None
+    choice = network.choose(env.ifname, env.master_addr, spans, seen_by_peers=seen)
+    network.apply(choice, "")
+    return replace(env, network=choice)
 
 
 def _agent_store_listens(env: JobEnv) -> bool:

@@ -22,7 +22,8 @@ def _report(rank: int, **overrides: str) -> RankReport:
         python_executable="/opt/ddp/venv/bin/python", python_version="3.11.2", torch="2.13.0",
         mpi4py="4.1.2", mpi_library="MPICH Version: 5.0.2", mpi_abi="mpich",
         libmpi_path="/x/libmpi.so.12", pmi="pmi", mpi_choice="bundled, for PMI pmi",
-        cuda="-", nccl="-", image="ddp:cpu",
+        cuda="-", nccl="-", image="ddp:cpu", interface="eth1 10.0.0.1 (route to n0)",
+        shm_mib=1024, memlock="unlimited", warnings=(),
     )
     fields.update(overrides)
     return RankReport(**fields)

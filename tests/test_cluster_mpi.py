@@ -38,7 +38,10 @@ def test_compose_spec_shape(nodes):
         service = spec["services"][host]
         assert service["hostname"] == host
         assert service["container_name"] == "${DDP_PREFIX:-}" + host
-        assert service["environment"]["GLOO_SOCKET_IFNAME"] == "eth0"
+        # no interface: each rank takes the route to rank 0 (launcher.network)
+        assert not {"GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"} & set(service["environment"])
+        assert service["shm_size"] == "1g"
+        assert service["ulimits"] == {"memlock": -1}
         assert "shared:/shared" in service["volumes"]
         assert "keys:/keys:ro" in service["volumes"]
         assert service["depends_on"]["keygen"] == {"condition": "service_completed_successfully"}
