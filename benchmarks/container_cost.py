@@ -180,8 +180,9 @@ def main() -> None:
              for name in median if BASELINE.get(name) in median}
     print(f"{'contender':<32}" + "".join(f"{human(size):>24}" for size in SIZES))
     for name, times in median.items():
+        # no ratio: a venv line, or srun pmix without --openmpi-prefix to compare with
         cells = [f"{times[s] * 1e3:9.3f} ms" + (f" ({ratio[name][s]:4.2f}x)" if name in ratio
-                                                else " (venv) ") for s in SIZES]
+                                                else "        ") for s in SIZES]
         print(f"{name:<32}" + "".join(f"{cell:>24}" for cell in cells))
     print("(x: the same launcher's venv time / the container's time; 1.00x = no cost)")
     if args.json:
