@@ -14,7 +14,7 @@ import yaml
 from benchmarks import cluster_scaling
 from ddp_tasks import cluster as cl
 from launcher.errors import LaunchError
-from tests.fixtures.cluster import invoke_run, param_hashes
+from tests.fixtures.cluster import invoke_run, param_hashes, two_network_cluster_running
 from tests.fixtures.mpi import json_objects
 
 #: one epoch of digits; the global batch divides into 2 and 3 ranks
@@ -138,3 +138,24 @@ def test_weak_scaling_benchmark_measures_each_backend_across_nodes(compose_mpi):
         assert r["efficiency"] == pytest.approx(r["rate_n"] / (2 * r["rate_1"]))
         assert r["efficiency"] == pytest.approx(r["machine_efficiency"] * r["sync_efficiency"])
     assert set(result["summary"]) == {"mpi", "gloo"}
+
+
+@pytest.mark.cluster
+@pytest.mark.docker
+def test_two_networks_the_first_a_dead_end_train_without_a_flag(cpu_image):
+    """Every node's eth0 is a network of its own, the shared one is eth1, node0's name is
+    127.0.1.1 on node0, and the compose file names no interface. Before the route decided,
+    MPICH's UCX tried eth0 and MPI_Init failed ("Destination is unreachable")."""
+    with two_network_cluster_running(cpu_image, 2) as cluster:
+        assert cluster.check("node0", "getent hosts node0").split()[0] == "127.0.1.1"
+        result = invoke_run(cluster, 2, "launcher.check", "--backend gloo,mpi --json")
+        assert result.returncode == 0, result.stdout
+        ranks = [rank for obj in json_objects(result.stdout) for rank in obj.get("ranks", ())]
+        assert [r["interface"].split()[0] for r in ranks] == ["eth1", "eth1"], result.stdout
+        for backend in ("gloo", "mpi"):
+            run = invoke_run(cluster, 2, "launcher.train",
+                             f"{TRAIN} --max-steps 5 --backend {backend} "
+                             f"--run-dir /shared/runs/two-{backend}")
+            assert run.returncode == 0, run.stdout
+            hashes = param_hashes(run.stdout)
+            assert sorted(hashes) == [0, 1] and len(set(hashes.values())) == 1, run.stdout
