@@ -241,8 +241,9 @@ def _native_dry_run(*, output: str, flavor: str, image: str) -> None:
     """The native build's steps, with the image's values as placeholders (nothing is read)."""
     work = f"{output}.build"
     print(f"# docker export $(docker create {image}) | tar -x -C {work}/rootfs\n"
-          f"# + /.singularity.d/ from {ic.apptainer_def(flavor).relative_to(ic.ROOT)} and "
-          f"{image}'s ENV and labels (ddp_tasks/sif_content.py)")
+          f"# + /.singularity.d/ and /ch/environment from "
+          f"{ic.apptainer_def(flavor).relative_to(ic.ROOT)} and {image}'s ENV and labels "
+          "(ddp_tasks/sif_content.py)")
     commands = [sif_content.mksquashfs_command(f"{work}/rootfs", f"{work}/rootfs.sqfs",
                                        "IMAGE_CREATED_EPOCH", True)]
     commands += sif_content.siftool_commands(output, f"{work}/Singularity",
