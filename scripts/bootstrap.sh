@@ -22,6 +22,9 @@ SYSTEM_PACKAGES=(
     libpmix2 libpmix-dev
     # an HPC container runtime of Apptainer's kind (no daemon, host network and PIDs)
     charliecloud-runtime charliecloud-builders
+    # `invoke sif` without Apptainer: the SIF tool of sylabs/sif, mksquashfs; squashfuse mounts
+    # the SIF's system partition for ch-run
+    siftool squashfs-tools squashfuse
     shellcheck openssh-client
 )
 
