@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 
 from ddp_tasks.cluster import hosts as cluster_hosts
 from ddp_tasks.runtimes import RUNTIMES as RUNTIME_CLASSES
+from launcher import shm
 from launcher.env import parse_signal
 from launcher.errors import EXIT_PREEMPTED, LaunchError
 
@@ -195,6 +196,13 @@ def _validate_srun(launch: Launch) -> None:
 
 
 def _validate_docker(launch: Launch) -> None:
+    if launch.image and (launch.nodes > 1 or launch.hosts):
+        raise LaunchError(
+            f"--runtime docker --image {launch.image} runs one node in `docker run`, not "
+            f"{launch.nodes} nodes",
+            hint="leave --image out to use the compose cluster (invoke cluster.up --nodes N), "
+            "or pass --nodes 1",
+        )
     if launch.mpi != "mpich":
         raise LaunchError(
             f"--runtime docker with --mpi {launch.mpi}: the image ships MPICH's Hydra only",
@@ -267,8 +275,20 @@ def srun_argv(launch: Launch) -> tuple[list[str], list[str]]:
     return argv, env
 
 
+def docker_run_argv(launch: Launch) -> list[str]:
+    """One node in one container: /dev/shm for its ranks (``launcher.shm``; Docker's 64 MiB
+    crashes or hangs MPI_Init) and unlimited locked memory for RDMA registration."""
+    size = shm.docker_size(shm.recommended_shm(launch.procs_per_node))
+    return ["docker", "run", "--rm", f"--shm-size={size}", "--ulimit", "memlock=-1",
+            launch.image]
+
+
 def launch_segments(launch: Launch) -> list[list[str]]:
     """The whole command as non-empty segments; raises LaunchError for a bad ``launch``."""
+    if launch.runtime == "docker" and launch.image:
+        validate(launch)
+        launcher, env = mpich_argv(launch)
+        return [docker_run_argv(launch), launcher, env, program_argv(launch)]
     if launch.runtime == "docker" and not (launch.hosts or launch.hostfile):
         launch = replace(launch, hosts=tuple(cluster_hosts(launch.nodes)))
     validate(launch)

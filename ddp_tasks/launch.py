@@ -34,7 +34,8 @@ HELP = {
     "hostfile": "for mpirun: a host file instead of --hosts",
     "image": "the runtime's image: apptainer ddp-cpu.sif, charliecloud ddp-cpu (a directory from "
     "`invoke chimage`, or a SIF from `invoke sif`: its partition is mounted with squashfuse for "
-    "the job), pyxis ddp+cpu.sqsh, podman-hpc ddp:cpu (the defaults)",
+    "the job), pyxis ddp+cpu.sqsh, podman-hpc ddp:cpu (the defaults); docker: one node in "
+    "`docker run IMAGE` instead of the compose cluster",
     "gpus_per_node": "GPUs per node: srun/sbatch --gpus-per-node and apptainer --nv (default 0)",
     "cpus_per_task": "CPUs per rank for Slurm; also the default OMP_NUM_THREADS",
     "bind": "SRC[:DST] bound into the container (repeatable); the image has empty "

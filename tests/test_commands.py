@@ -67,6 +67,12 @@ RUN_CASES = {
         Launch(nodes=2, procs_per_node=2, runtime="docker", container_prefix="t1-",
                env=program_env("USR1", ifname="eth0")),
     ),
+    "run_docker_run": (
+        ["--procs-per-node", "8", "--runtime", "docker", "--image", "ddp:cpu", "--module",
+         "launcher.check"],
+        Launch(procs_per_node=8, runtime="docker", image="ddp:cpu", module="launcher.check",
+               env=program_env("USR1")),
+    ),
     "run_srun_charliecloud": (
         ["--nodes", "2", "--procs-per-node", "2", "--launcher", "srun", "--runtime",
          "charliecloud", "--pmi", "pmix", "--image", "/var/tmp/ddp-cpu",
