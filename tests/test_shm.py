@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
+from ddp_tasks import cluster as cl
 from launcher import shm
 from launcher.shm import MIB, NodeMemory
+from tests.fixtures.mpi import REPO_ROOT, json_objects
 
 
 def test_recommended_size_grows_with_the_ranks_per_node():
@@ -76,3 +81,18 @@ def test_dockers_default_dev_shm_is_reported_and_warned_about(cpu_image, run_in_
         "4 rank(s) per node" in output, output
     assert "--shm-size=1g" in output
     assert " 64  " in output.split("WARNING")[0]  # the shm_mib column of the table
+
+
+@pytest.mark.docker
+def test_the_generated_docker_run_line_runs(cpu_image):
+    """``invoke run --runtime docker --image`` for real: the ranks see the /dev/shm it asks
+    for, and no memlock limit."""
+    if not cl.engine_grants_memlock(cpu_image):
+        pytest.skip("this Docker engine cannot lift the memlock limit (no CAP_SYS_RESOURCE)")
+    result = subprocess.run(
+        [sys.executable, "-m", "invoke", "run", "--runtime", "docker", "--image", cpu_image,
+         "--procs-per-node", "2", "--module", "launcher.check", "--args", "--json"],
+        cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout
+    ranks = [rank for obj in json_objects(result.stdout) for rank in obj.get("ranks", ())]
+    assert [(r["shm_mib"], r["memlock"]) for r in ranks] == [(1024, "unlimited")] * 2
