@@ -12,14 +12,16 @@ The public API for a training script of your own (docs/api.md)::
         ...
 
 ``distributed``, ``Job`` and ``exit_statuses`` come from ``launcher.job``, ``LaunchError``
-from ``launcher.errors``. They are loaded on first use: importing a submodule (as the image's
-interpreter does at start-up to choose the MPI) does not import torch.
+from ``launcher.errors``, ``GlobalBatchSampler`` from ``launcher.batches``. They are loaded on
+first use: importing a submodule (as the image's interpreter does at start-up to choose the
+MPI) does not import torch.
 """
 
 __version__ = "0.1.0"
 
 _PUBLIC = {"distributed": "launcher.job", "Job": "launcher.job",
-           "exit_statuses": "launcher.job", "LaunchError": "launcher.errors"}
+           "exit_statuses": "launcher.job", "LaunchError": "launcher.errors",
+           "GlobalBatchSampler": "launcher.batches"}
 __all__ = sorted(_PUBLIC)
 
 
