@@ -14,7 +14,11 @@ import pytest
 import torch
 
 import launcher
+from launcher import checkpoint
+from launcher.backends import select_backend
+from launcher.env import detect_environment
 from launcher.errors import EXIT_USER_ERROR
+from launcher.peer_lost import diagnose
 from tests.fixtures.mpi import REPO_ROOT, clean_environ, run_mpi
 
 SAVE = """\
@@ -144,3 +148,14 @@ def test_torchrun_prints_no_store_bind_error(tmp_path):
     assert "TCPStore" not in result.stderr and "failed to bind" not in result.stderr, (
         result.stderr)
     assert result.stdout.count("[rank 1] second 999") == 1
+
+
+def test_hints_a_script_can_meet_speak_of_the_api_too():
+    with pytest.raises(launcher.LaunchError) as nccl:
+        select_backend("nccl", cuda_available=False, native_mpi=False)
+    assert 'launcher.distributed(backend="gloo")' in nccl.value.hint
+    lost = diagnose(detect_environment({}), "gloo", None, RuntimeError("Connection reset"))
+    assert "job.resume" in lost.hint and "--resume auto" in lost.hint
+    with pytest.raises(launcher.LaunchError) as damaged:
+        checkpoint.decode(b"not a checkpoint", "ckpt-00000001.pt")
+    assert "--resume" not in damaged.value.hint

@@ -152,3 +152,15 @@ def test_rng_states_round_trip_through_a_file(tmp_path):
     assert torch.equal(expected[0], again[0])
     assert np.array_equal(expected[1], again[1]) and expected[2] == again[2]
 
+
+
+def test_rng_of_another_world_size_is_reseeded_per_rank_and_reproducibly():
+    cpu = torch.device("cpu")
+    saved = [checkpoint.capture_rng(cpu), checkpoint.capture_rng(cpu)]
+
+    def draws(rank: int, world_size: int) -> tuple:
+        checkpoint.reseed_rng(saved, rank, world_size, cpu)
+        return torch.rand(2).tolist(), np.random.rand(), random.random()
+
+    assert draws(2, 3) == draws(2, 3)
+    assert len({str(draws(rank, 3)) for rank in range(3)} | {str(draws(0, 1))}) == 4
