@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
+import subprocess
+import sys
 
 import pytest
 
@@ -11,6 +14,7 @@ from launcher import network
 from launcher.env import detect_environment, network_target, planned_network
 from launcher.errors import LaunchError
 from launcher.rendezvous import reachable_address
+from tests.fixtures.mpi import REPO_ROOT
 
 
 def _outward() -> tuple[str, str] | None:
@@ -128,3 +132,11 @@ def test_a_node_whose_name_is_loopback_routes_to_another_node():
 def test_the_cli_shows_the_choice():
     env = detect_environment({"MASTER_ADDR": "127.0.0.1"}, hostname="n0")
     assert planned_network(env).describe() == "lo 127.0.0.1 (route to 127.0.0.1)"
+
+
+def test_python_m_launcher_env_shows_the_choice():
+    environ = {**{k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "USER")},
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "PYTHONPATH": str(REPO_ROOT)}
+    shown = subprocess.run([sys.executable, "-m", "launcher.env", "--json"], env=environ,
+                           capture_output=True, text=True, timeout=120, check=True)
+    assert json.loads(shown.stdout)["network"] == "lo 127.0.0.1 (route to 127.0.0.1)"
