@@ -15,7 +15,7 @@
 
 srun --nodes 2 --ntasks-per-node 4 --gpus-per-node 4 --cpus-per-task 8 --mpi=pmi2 --kill-on-bad-exit=0 --wait=60 \
     --export=ALL,APPTAINERENV_PYTHONUNBUFFERED=1,APPTAINERENV_OMP_NUM_THREADS=8,APPTAINERENV_DDP_PREEMPT_SIGNAL=USR2,APPTAINER_SHARENS=true \
-    apptainer exec --nv --bind /scratch ddp.sif \
+    apptainer exec --nv --bind /scratch ddp-cpu.sif \
     python -m launcher.train --resume auto --epochs 3
 status=$?
 # 75: the ranks caught the signal and saved a checkpoint. Requeue: the next run
