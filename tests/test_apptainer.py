@@ -12,9 +12,8 @@ import sys
 import pytest
 from spython.main.parse.parsers import SingularityParser
 
-from ddp_tasks import apptainer_def
+from ddp_tasks import apptainer_def, sif_build
 from ddp_tasks import image_commands as ic
-from ddp_tasks import sif_build
 from launcher import __version__
 from launcher.errors import LaunchError
 
