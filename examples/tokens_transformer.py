@@ -9,21 +9,21 @@ Nothing here is tied to the launcher's built-in 28x28 digits: the dataset and th
 file's own; copy it and change both. ``launcher.distributed`` gives the rest: the process group
 (``--backend auto|gloo|nccl|mpi``), this rank's device, checkpoints with every rank's RNG state,
 preemption (SIGUSR1 or SIGTERM on any rank: a checkpoint, exit 75; run the same command again
-and it continues bit-exact), and an exception on one rank ending every rank at once.
+and it continues bit-exact, or on another number of ranks by global sample), and an exception on
+one rank ending every rank at once.
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
-import itertools
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset
 
 import launcher
 
@@ -74,7 +74,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--run-dir", type=Path, default=Path("runs/tokens"))
     parser.add_argument("--backend", default="auto")
     parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--batch-per-rank", type=int, default=16)
+    parser.add_argument("--global-batch-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--checkpoint-every", type=int, default=100)
     parser.add_argument("--log-every", type=int, default=50)
@@ -94,11 +94,13 @@ def main() -> None:
     vocab, length = 50, 32
     with launcher.distributed(args.backend) as job:
         data = CountingSequences(4096, length, vocab)
-        sampler = DistributedSampler(data, job.world_size, job.rank, shuffle=True,
-                                     seed=args.seed, drop_last=True)
+        # each step's global batch is the same samples on any number of ranks: a checkpoint
+        # resumes on another world size by its global sample position
+        batches = launcher.GlobalBatchSampler(len(data), args.global_batch_size, job.rank,
+                                              job.world_size, seed=args.seed)
         # a generator of its own: a loader draws a seed from torch's global one for every
         # epoch's iterator, which would shift the dropout stream of a resumed run
-        loader = DataLoader(data, batch_size=args.batch_per_rank, sampler=sampler, drop_last=True,
+        loader = DataLoader(data, batch_sampler=batches,
                             generator=torch.Generator().manual_seed(args.seed))
         torch.manual_seed(args.seed)  # the same initial weights on every rank
         model = build_model(vocab, length).to(job.device)
@@ -114,16 +116,16 @@ def main() -> None:
             job.print(f"resumed at step {step}")
         ddp = DistributedDataParallel(model, device_ids=job.device_ids)
 
-        def snapshot() -> dict:
-            return {"step": step, "model": model.state_dict(),
-                    "optimizer": optimizer.state_dict()}
+        def save() -> Path:
+            return job.save(checkpoints, step, {"model": model.state_dict(),
+                                                "optimizer": optimizer.state_dict()},
+                            samples=step * args.global_batch_size)
 
         while step < args.steps:
-            epoch, done = divmod(step, len(loader))
-            sampler.set_epoch(epoch)
-            for inputs, targets in itertools.islice(loader, done, None):
+            batches.start_at(step * args.global_batch_size)  # the rest of this step's epoch
+            for inputs, targets in loader:
                 if job.preempted():  # every rank the same answer, at this step boundary
-                    job.exit_preempted(job.save(checkpoints, step, snapshot()))
+                    job.exit_preempted(save())
                 if step == args.steps:
                     break
                 logits = ddp(inputs.to(job.device))
@@ -135,8 +137,8 @@ def main() -> None:
                 if step % args.log_every == 0:
                     job.print(f"step {step} loss {loss.item():.4f}")
                 if step % args.checkpoint_every == 0:
-                    job.save(checkpoints, step, snapshot())
-        job.save(checkpoints, step, snapshot())
+                    save()
+        save()
         print(f"param-sha256 rank={job.rank} {parameter_digest(model)}", flush=True)
 
 

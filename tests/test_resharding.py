@@ -10,6 +10,7 @@ rank of a running 2-rank job, then ``mpiexec -n 3 ... --resume auto``.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -122,4 +123,27 @@ def test_resume_on_another_world_size(tmp_path, data_dir, uninterrupted, launche
         accuracy = metrics(run_dir, "eval")[-1]["test_accuracy"]
         reference = metrics(uninterrupted, "eval")[-1]["test_accuracy"]
         assert accuracy >= 0.95 and abs(accuracy - reference) <= NOISE, (accuracy, reference)
+    assert digests[0] == digests[1]
+
+
+@pytest.mark.mpi
+def test_the_example_resumes_on_another_world_size(tmp_path):
+    """examples/tokens_transformer.py (GlobalBatchSampler): 40 steps on 2 ranks, then on to 80
+    on 3, twice from the same checkpoint: every rank alike, both resumes alike."""
+    script = str(REPO_ROOT / "examples" / "tokens_transformer.py")
+    flags = ["--global-batch-size", "48", "--backend", "gloo", "--checkpoint-every", "1000"]
+    first = run_mpi(2, [script, "--run-dir", str(tmp_path / "a"), "--steps", "40", *flags],
+                    timeout=TIMEOUT_S)
+    assert first.returncode == 0, first.output
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    digests = []
+    for copy in ("a", "b"):
+        resumed = run_mpi(3, [script, "--run-dir", str(tmp_path / copy), "--steps", "80",
+                              *flags], timeout=TIMEOUT_S)
+        assert resumed.returncode == 0, resumed.output
+        assert "was written by 2 ranks, resuming on 3" in resumed.stdout, resumed.output
+        assert "resumed at step 40" in resumed.stdout, resumed.output
+        found = set(re.findall(r"param-sha256 rank=[0-2] ([0-9a-f]{16})", resumed.stdout))
+        assert len(re.findall(r"param-sha256", resumed.stdout)) == 3 and len(found) == 1
+        digests.append(found.pop())
     assert digests[0] == digests[1]
