@@ -163,13 +163,17 @@ def start_store(env: JobEnv, backend: str, timeout: timedelta) -> tuple[JobEnv, 
 def _choose_network(env: JobEnv, store: dist.Store) -> JobEnv:
     """The interface towards rank 0's address, for gloo and NCCL. Where that route is
     loopback (rank 0's node, whose name may resolve to 127.0.1.1 there), the address the ranks
-    of the other nodes reached it at."""
+    of the other nodes reached it at: the first rank of node 1 publishes it, or "" when its
+    node is rank 0's machine (several Slurm nodes on one host), where loopback serves."""
     spans = env.num_nodes > 1
     seen = None
     if spans and env.node_rank != 0:
-        store.set(SEEN_KEY, resolve(env.master_addr) or "")
+        spans = store.get(f"{HOST_KEY}/0").decode() != env.hostname
+        if env.node_rank == 1 and env.local_rank == 0:
+            store.set(SEEN_KEY, (resolve(env.master_addr) or "") if spans else "")
     elif spans and not env.ifname and network.loops_back(env.master_addr):
         seen = store.get(SEEN_KEY).decode() or None
+        spans = seen is not None
     choice = network.choose(env.ifname, env.master_addr, spans, seen_by_peers=seen)
     network.apply(choice, "")
     return replace(env, network=choice)
