@@ -5,6 +5,7 @@
     with launcher.distributed() as job:            # mpiexec, mpirun, srun, torchrun, python
         model = DDP(Net().to(job.device), device_ids=job.device_ids)
         state = job.resume(CHECKPOINTS)             # newest valid checkpoint, or None
+        first_step = 0 if state is None else state["step"]   # save stored it
         for step in range(first_step, steps):
             if job.preempted():                     # the same answer on every rank
                 job.save(CHECKPOINTS, step, {"model": model.module.state_dict(), ...})
