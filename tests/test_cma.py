@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import multiprocessing
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -163,3 +164,18 @@ def test_cma_forced_on_across_namespaces_is_a_clear_error_never_a_wrong_sum():
         assert output.count(f"[rank {rank}] error: MPI delivered wrong data") == 1, output
         assert f"[rank {rank}] HINT: " in output
     assert "Traceback" not in output and " right" not in output
+
+
+def test_the_job_key_is_the_launch_daemons_not_a_runtimes_between(tmp_path):
+    """Ranks under one launcher daemon share a key even with a runtime process between it and
+    them (apptainer's starter); another daemon, another key."""
+    proxy = tmp_path / "hydra_pmi_proxy"  # the name is what counts: a copy of sh
+    shutil.copy("/bin/sh", proxy)
+    key = (f"{shlex.quote(sys.executable)} -c 'from launcher import cma; from launcher.env "
+           "import detect_environment; print(cma.job_key(detect_environment({})))'")
+    # "; true": the shell must stay the parent instead of exec'ing its last command
+    script = f"{key}; sh -c \"{key}; true\"; true"
+    keys = [subprocess.run([str(proxy), "-c", script], capture_output=True, text=True,
+                           cwd=ROOT, check=True).stdout.split() for _ in range(2)]
+    assert len(set(keys[0])) == 1 and keys[0][0].startswith("single-"), keys
+    assert keys[0][0] != keys[1][0]
