@@ -1,11 +1,14 @@
-"""Image build benchmark: cold build, rebuild after a code-only change, size, per flavor.
+"""Image build benchmark: cold build, rebuild after a code-only change, size, per flavor; with
+``--sif``, the flavor's SIF too (benchmarks/sif_image.py: build time, size, start-up).
 
     .venv/bin/python benchmarks/image_build.py [--flavors cpu,cuda] [--skip-cold] [--json PATH]
+    .venv/bin/python benchmarks/image_build.py --flavors cpu --sif [--sif-only]
 
 Builds each flavor the way the tests do (`invoke build --flavor F --base-image
 ddp-base:bookworm --ca-bundle /etc/ssl/certs/ca-certificates.crt`, CPU torch wheel in
 .wheelhouse/), the flavors side by side in one run, prints a table and writes JSON.
-Goals: code-only rebuild < 15 s for both, cpu image <= 1.2 GB, cuda image <= 6.5 GB.
+Goals: code-only rebuild < 15 s for both, cpu image <= 1.2 GB, cuda image <= 6.5 GB; the cpu SIF
+<= 0.6 x the Docker image's size, built in <= 60 s.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks import sif_image  # noqa: E402
 from ddp_tasks import image as image_tasks  # noqa: E402
 from ddp_tasks import image_commands as ic  # noqa: E402
 
@@ -66,6 +70,14 @@ def main() -> int:
                         help="skip the cold (no cache) build, which takes minutes")
     parser.add_argument("--json", default=str(RESULTS),
                         help=f"where to write the results (default {RESULTS.relative_to(ic.ROOT)})")
+    parser.add_argument("--sif", action="store_true",
+                        help="also build each flavor's SIF without Apptainer and time start-up "
+                             "from it, the Docker image and the venv (needs siftool, "
+                             "squashfs-tools, squashfuse, ch-run)")
+    parser.add_argument("--sif-only", action="store_true",
+                        help="with --sif: measure the SIF of the image as it is, no image builds")
+    parser.add_argument("--sif-rounds", type=int, default=5,
+                        help="start-up rounds, the contenders taking turns (default 5)")
     args = parser.parse_args()
 
     client = image_tasks.docker_client()
@@ -73,13 +85,22 @@ def main() -> int:
         image_tasks.make_base(ic.DEFAULT_BASE_TAG)
     results: dict[str, dict] = {}
     for flavor in args.flavors.split(","):
-        results[flavor] = measure(client, flavor, cold=not args.skip_cold)
+        results[flavor] = {} if args.sif_only else measure(client, flavor, cold=not args.skip_cold)
+        if args.sif:
+            results[flavor]["sif"] = sif_image.measure(
+                client, ic.image_tag(ic.DEFAULT_NAME, flavor), flavor, args.sif_rounds)
     machine = f"{platform.node()} {platform.machine()}, {os.cpu_count()} cores"
     # the machine is shared: a busy one explains slow figures
     load = os.getloadavg()[0]
 
-    print(f"{'flavor':6} {'measure':34} {'value':>10}  {'steps run':>9}  {'goal':>9}  ok")
+    if not args.sif_only:
+        print(f"{'flavor':6} {'measure':34} {'value':>10}  {'steps run':>9}  {'goal':>9}  ok")
     for flavor, found in results.items():
+        if args.sif:
+            print(f"{flavor}: " + "\n".join(sif_image.table(found["sif"])))
+            sif_image.plot(found["sif"], Path(args.json).with_name(f"sif_{flavor}.png"))
+        if args.sif_only:
+            continue
         rows = [("cold build (no cache)", found["cold_s"], "s", None, found["cold_steps_run"]),
                 ("no-op rebuild", found["noop_s"], "s", None, found["noop_steps_run"]),
                 ("rebuild after a code-only change", found["rebuild_s"], "s",
@@ -93,7 +114,8 @@ def main() -> int:
                   f"{goal_text:>9}  {ok}")
     print(f"load average (1 min) at the end: {load:.1f} on {os.cpu_count()} cores")
     results = {"flavors": results, "machine": machine, "load_average_1min_at_end": load}
-    Path(args.json).write_text(json.dumps({"results": results, "goals": GOALS}, indent=2) + "\n")
+    goals = {**GOALS, "sif": sif_image.GOALS}
+    Path(args.json).write_text(json.dumps({"results": results, "goals": goals}, indent=2) + "\n")
     print(f"wrote {args.json}")
     return 0
 
