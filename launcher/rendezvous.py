@@ -182,8 +182,9 @@ def _choose_network(env: JobEnv, store: dist.Store) -> JobEnv:
 def _agent_store_listens(env: JobEnv) -> bool:
     """Whether torchrun's agent already serves the store at the rendezvous address: it binds
     it before it starts the workers (TORCHELASTIC_USE_AGENT_STORE), and a rank 0 that binds it
-    again gets an error logged by torch (which then joins as a client anyway)."""
-    if env.launcher != "torchrun":
+    again gets an error logged by torch (which then joins as a client anyway). Ranks started
+    by hand with RANK and MASTER_PORT (no agent: no TORCHELASTIC_RUN_ID) host it themselves."""
+    if env.launcher != "torchrun" or env.job_id is None:
         return False
     try:
         socket.create_connection((env.master_addr, env.master_port), timeout=1).close()
