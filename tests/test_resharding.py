@@ -9,10 +9,8 @@ rank of a running 2-rank job, then ``mpiexec -n 3 ... --resume auto``.
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -20,9 +18,8 @@ from pathlib import Path
 import pytest
 
 from launcher import checkpoint
-from launcher.errors import EXIT_PREEMPTED
-from tests.fixtures.mpi import REPO_ROOT, MpiResult, clean_environ, mpiexec_path, run_mpi
-from tests.test_train import _rank_pids, _wait_for_step, hashes, metrics
+from tests.fixtures.mpi import REPO_ROOT, MpiResult, clean_environ, run_mpi
+from tests.test_train import hashes, metrics, preempt_rank_1, start_training
 
 #: 1438 training digits, 48 per step (divides by 2 and 3): 29 steps per epoch, 290 in all
 FLAGS = ["--global-batch-size", "48", "--log-every", "1", "--checkpoint-every", "0",
@@ -67,23 +64,6 @@ def uninterrupted(tmp_path_factory, data_dir) -> Path:
     return run_dir
 
 
-def preempt_two_ranks(run_dir: Path, data_dir: Path, after_step: int) -> None:
-    """A 2-rank mpiexec run, stopped by SIGUSR1 to rank 1 alone once it passed ``after_step``."""
-    command = [str(mpiexec_path()), "-n", "2", sys.executable, "-m", "launcher.train",
-               "--run-dir", str(run_dir), "--data-dir", str(data_dir), *FLAGS]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               env=clean_environ(), cwd=REPO_ROOT, start_new_session=True)
-    try:
-        _wait_for_step(process, run_dir, after_step, timeout=180)
-        os.kill(_rank_pids(process.pid)[1], signal.SIGUSR1)
-        stdout, stderr = process.communicate(timeout=120)
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.communicate()
-    assert process.returncode == EXIT_PREEMPTED, stdout + stderr
-
-
 @pytest.mark.parametrize("launcher, before, after", [
     pytest.param("mpiexec", 2, 3, marks=pytest.mark.mpi, id="mpiexec-2-to-3-preempted"),
     pytest.param("mpiexec", 3, 2, marks=pytest.mark.mpi, id="mpiexec-3-to-2"),
@@ -94,7 +74,7 @@ def test_resume_on_another_world_size(tmp_path, data_dir, uninterrupted, launche
                                       after):
     first = tmp_path / "first"
     if (launcher, before) == ("mpiexec", 2):
-        preempt_two_ranks(first, data_dir, after_step=40)
+        preempt_rank_1(start_training(first, data_dir, "gloo", FLAGS), first, 40)
     else:
         train(launcher, before, first, data_dir, "--max-steps", "40")
     [saved] = checkpoint.list_checkpoints(first / "checkpoints")

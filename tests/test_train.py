@@ -142,10 +142,11 @@ def _rank_pids(root: int) -> dict[int, int]:
     return ranks
 
 
-def _start_training(run_dir: Path, data_dir: Path, backend: str) -> subprocess.Popen:
+def start_training(run_dir: Path, data_dir: Path, backend: str,
+                    flags: list[str] = RESUME_FLAGS) -> subprocess.Popen:
     command = [str(mpiexec_path()), "-n", "2", sys.executable, "-m", "launcher.train",
                "--run-dir", str(run_dir), "--data-dir", str(data_dir), "--backend", backend,
-               *RESUME_FLAGS]
+               *flags]
     return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=clean_environ(), start_new_session=True)
 
@@ -160,23 +161,30 @@ def _wait_for_step(process: subprocess.Popen, run_dir: Path, step: int, timeout:
     raise AssertionError(f"training never reached step {step} (exit {process.poll()})")
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_sigusr1_to_one_rank_then_resume_is_bit_exact(tmp_path, data_dir, backend,
-                                                      tmp_path_factory):
-    expected = reference_hash(backend, data_dir, tmp_path_factory)
-    process = _start_training(tmp_path, data_dir, backend)
+def preempt_rank_1(process: subprocess.Popen, run_dir: Path, step: int) -> tuple[str, str]:
+    """SIGUSR1 to rank 1 alone of a 2-rank run once it passed ``step``; its stdout and stderr
+    after it ended with exit 75 (rank 0 must learn of the signal collectively)."""
     try:
-        # a few steps into the second epoch: the stop lands mid-epoch, before its 89 steps end
-        _wait_for_step(process, tmp_path, STEPS_PER_EPOCH + 3, timeout=180)
+        _wait_for_step(process, run_dir, step, timeout=180)
         pids = _rank_pids(process.pid)
         assert sorted(pids) == [0, 1], pids
-        os.kill(pids[1], signal.SIGUSR1)  # one rank only: rank 0 must learn it collectively
+        os.kill(pids[1], signal.SIGUSR1)
         stdout, stderr = process.communicate(timeout=120)
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
             process.communicate()
     assert process.returncode == EXIT_PREEMPTED, stdout + stderr
+    return stdout, stderr
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sigusr1_to_one_rank_then_resume_is_bit_exact(tmp_path, data_dir, backend,
+                                                      tmp_path_factory):
+    expected = reference_hash(backend, data_dir, tmp_path_factory)
+    process = start_training(tmp_path, data_dir, backend)
+    # a few steps into the second epoch: the stop lands mid-epoch, before its 89 steps end
+    stdout, stderr = preempt_rank_1(process, tmp_path, STEPS_PER_EPOCH + 3)
     assert not HASH.search(stdout)
     saved = checkpoint.list_checkpoints(tmp_path / "checkpoints")
     assert len(saved) == 1
