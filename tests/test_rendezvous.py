@@ -9,6 +9,7 @@ from dataclasses import replace
 
 import pytest
 
+from launcher import rendezvous
 from launcher.env import detect_environment
 from launcher.errors import LaunchError
 from launcher.rendezvous import reachable_address, resolve_rendezvous
@@ -109,9 +110,23 @@ def test_mpi_world_that_disagrees_with_the_launcher():
 
 
 @pytest.mark.parametrize(
-    "name, expected",
-    [("localhost", "localhost"), ("192.0.2.5", "192.0.2.5"),
-     ("no-such-host.invalid", "no-such-host.invalid")],
+    "name, resolved, expected",
+    [("localhost", "127.0.0.1", "localhost"),      # loopback: the name, peers resolve it
+     ("node0", "127.0.1.1", "node0"),              # Debian's /etc/hosts line for the host
+     ("node0", "10.1.2.3", "10.1.2.3"),            # a routable name: its address
+     ("no-such-host.invalid", None, "no-such-host.invalid")],
 )
-def test_reachable_address(name, expected):
+def test_reachable_address(monkeypatch, name, resolved, expected):
+    monkeypatch.setattr(rendezvous, "resolve", {name: resolved}.get)
     assert reachable_address(name) == expected
+
+
+def test_reachable_address_takes_what_peers_resolve_and_this_host_holds(monkeypatch):
+    """Peers' view wins over this host's own resolution, but only for an address it holds
+    (not loopback): the majority of such answers."""
+    held = {"10.9.0.1": "eth1", "10.9.0.2": "eth2"}
+    monkeypatch.setattr(rendezvous, "resolve", {"node0": "127.0.1.1"}.get)
+    monkeypatch.setattr(rendezvous.network, "interface_of", held.get)
+    seen = ["10.9.0.2", "192.0.2.9", "10.9.0.1", "10.9.0.2", None, "127.0.0.1"]
+    assert reachable_address("node0", seen) == "10.9.0.2"
+    assert reachable_address("node0", ["192.0.2.9", "127.0.0.1"]) == "node0"
