@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timezone
 
 SINGULARITY_D = ".singularity.d"
 #: ``siftool add --datatype``: the SIF data object types (sylabs/sif's Datatype minus 0x4000)
@@ -156,7 +156,7 @@ def labels(image: Image, definition: str) -> dict[str, str]:
         **(image.config.get("Labels") or {}),
         **definition_labels(definition),
         "org.label-schema.schema-version": "1.0",
-        "org.label-schema.build-date": datetime.utcfromtimestamp(epoch(image.created))
+        "org.label-schema.build-date": datetime.fromtimestamp(epoch(image.created), timezone.utc)
         .strftime("%A_%-d_%B_%Y_%-H:%M:%S_UTC"),
         "org.label-schema.usage.singularity.deffile.bootstrap": header.get("Bootstrap", ""),
         "org.label-schema.usage.singularity.deffile.from": header.get("From", ""),
