@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 import subprocess
 import sys
 
@@ -86,13 +87,25 @@ def test_dockers_default_dev_shm_is_reported_and_warned_about(cpu_image, run_in_
 @pytest.mark.docker
 def test_the_generated_docker_run_line_runs(cpu_image):
     """``invoke run --runtime docker --image`` for real: the ranks see the /dev/shm it asks
-    for, and no memlock limit."""
-    if not cl.engine_grants_memlock(cpu_image):
-        pytest.skip("this Docker engine cannot lift the memlock limit (no CAP_SYS_RESOURCE)")
-    result = subprocess.run(
+    for, and no memlock limit. An engine without CAP_SYS_RESOURCE (this kind of VM) refuses
+    ``--ulimit memlock=-1`` at start: there the printed line runs without that one flag, and
+    the flag is checked as text, so the rest of the line still runs for real."""
+    printed = subprocess.run(
         [sys.executable, "-m", "invoke", "run", "--runtime", "docker", "--image", cpu_image,
-         "--procs-per-node", "2", "--module", "launcher.check", "--args", "--json"],
-        cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
+         "--procs-per-node", "2", "--module", "launcher.check", "--args", "--json",
+         "--dry-run"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+    assert printed.returncode == 0, printed.stderr
+    argv = shlex.split(printed.stdout.replace("\\\n", " "))
+    assert argv[:2] == ["docker", "run"] and "--shm-size=1g" in argv, argv
+    memlock = argv.index("--ulimit")
+    assert argv[memlock + 1] == "memlock=-1", argv
+    granted = cl.engine_grants_memlock(cpu_image)
+    if not granted:
+        del argv[memlock:memlock + 2]
+    result = subprocess.run(argv, cwd=REPO_ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, timeout=300)
     assert result.returncode == 0, result.stdout
     ranks = [rank for obj in json_objects(result.stdout) for rank in obj.get("ranks", ())]
-    assert [(r["shm_mib"], r["memlock"]) for r in ranks] == [(1024, "unlimited")] * 2
+    assert [r["shm_mib"] for r in ranks] == [1024] * 2, result.stdout
+    if granted:
+        assert [r["memlock"] for r in ranks] == ["unlimited"] * 2, result.stdout
