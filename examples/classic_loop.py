@@ -64,6 +64,13 @@ def main() -> None:
         torch.manual_seed(1 + job.rank)  # each rank its own dropout stream
         first_epoch, done = 0, 0
         state = job.resume(checkpoints)
+        with job.agree():  # every rank raises it: agree() marks it so, nobody reports twice
+            if state is not None and state["world_size"] != job.world_size:
+                # DistributedSampler's batches are per rank: their position means nothing on
+                # another number of ranks (GlobalBatchSampler's do, see tokens_transformer)
+                raise launcher.LaunchError(
+                    f"{checkpoints} holds a run of {state['world_size']} ranks, this one has "
+                    f"{job.world_size}", hint=f"resume with {state['world_size']} ranks")
         if state is not None:
             model.load_state_dict(state["model"])
             optimizer.load_state_dict(state["optimizer"])

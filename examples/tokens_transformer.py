@@ -95,9 +95,11 @@ def main() -> None:
     with launcher.distributed(args.backend) as job:
         data = CountingSequences(4096, length, vocab)
         # each step's global batch is the same samples on any number of ranks: a checkpoint
-        # resumes on another world size by its global sample position
-        batches = launcher.GlobalBatchSampler(len(data), args.global_batch_size, job.rank,
-                                              job.world_size, seed=args.seed)
+        # resumes on another world size by its global sample position. A batch that does not
+        # divide is a LaunchError on every rank; agree() makes it one clean message per rank
+        with job.agree():
+            batches = launcher.GlobalBatchSampler(len(data), args.global_batch_size, job.rank,
+                                                  job.world_size, seed=args.seed)
         # a generator of its own: a loader draws a seed from torch's global one for every
         # epoch's iterator, which would shift the dropout stream of a resumed run
         loader = DataLoader(data, batch_sampler=batches,
