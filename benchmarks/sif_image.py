@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ddp_tasks import sif_build
+from ddp_tasks import sif_build, sif_mount
 from ddp_tasks.commands import Launch, container_argv
 
 GOALS = {"sif_size_ratio": 0.6, "sif_build_s": 60.0}
@@ -57,7 +57,7 @@ def startup(tag: str, sif: Path, rounds: int) -> dict:
            "USER": os.environ.get("USER") or getpass.getuser()}
     mpiexec = [str(venv_bin / "mpiexec"), "-n", "2"]
     start = time.monotonic()
-    with sif_build.mounted(sif, Path(tempfile.mkdtemp(prefix="ddp-sif-bench-"))) as root:
+    with sif_mount.mounted(sif, Path(tempfile.mkdtemp(prefix="ddp-sif-bench-"))) as root:
         mount_s = time.monotonic() - start
         ch_run = container_argv(Launch(runtime="charliecloud", image=str(root),
                                        procs_per_node=2))

@@ -15,7 +15,7 @@ from pathlib import Path
 from invoke import task
 from invoke.exceptions import Exit
 
-from ddp_tasks import commands, sif_build, sif_file
+from ddp_tasks import commands, sif_file, sif_mount
 from launcher.errors import EXIT_USER_ERROR, LaunchError
 from launcher.hostlist import expand_hostlist
 
@@ -100,7 +100,7 @@ def _sif_for_charliecloud(launch: commands.Launch) -> tuple[Path, int, str] | No
     """``(SIF, partition offset, mount point)`` when ch-run is to start from a SIF, else None."""
     if launch.runtime != "charliecloud" or not launch.image.endswith(".sif"):
         return None
-    offset, _, digest = sif_build.partition_of(Path(launch.image))
+    offset, _, digest = sif_mount.partition_of(Path(launch.image))
     return Path(launch.image), offset, sif_file.mount_point(digest)
 
 
@@ -120,7 +120,7 @@ def _mounted_here(launch: commands.Launch, sif, dry_run: bool):
 
     @contextmanager
     def mounted():
-        with sif_build.mounted(path) as root:
+        with sif_mount.mounted(path) as root:
             yield replace(launch, image=str(root))
 
     return mounted()

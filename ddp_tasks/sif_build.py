@@ -1,12 +1,10 @@
 """``invoke sif``: the Docker image as a SIF, with ``apptainer build`` where Apptainer is
-installed, else natively (``docker export``, ``mksquashfs``, ``siftool``); and the squashfuse
-mount that lets ``ch-run`` start ranks from a SIF. Command lines and metadata come from the pure
-builders in ``ddp_tasks.sif_content`` and ``ddp_tasks.sif_file``; this module only runs them.
+installed, else natively (``docker export``, ``mksquashfs``, ``siftool``). Command lines and
+metadata come from the pure builders in ``ddp_tasks.sif_content``; this module only runs them.
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shlex
 import shutil
@@ -14,31 +12,19 @@ import subprocess
 import sys
 import tempfile
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 from invoke import task
 
-from ddp_tasks import apptainer_def, sif_content, sif_file
+from ddp_tasks import apptainer_def, sif_content, sif_mount
 from ddp_tasks import image_commands as ic
 from ddp_tasks.image import docker_client, shown_only, user_errors
 from launcher.errors import LaunchError
 
 BUILDERS = ("auto", "native", "apptainer")
 NATIVE_TOOLS = {"mksquashfs": "squashfs-tools", "siftool": "siftool"}
-MOUNT_TOOLS = {"squashfuse": "squashfuse", "fusermount": "fuse"}
 APPTAINER_HINT = ("install Apptainer (https://apptainer.org/docs/admin/main/installation.html), "
                   "use --builder native, or --dry-run to see the command")
-
-
-def require(tools: dict[str, str], purpose: str) -> None:
-    """LaunchError naming the Debian packages of the TOOLS (program: package) not installed."""
-    missing = [program for program in tools if shutil.which(program) is None]
-    if missing:
-        packages = " ".join(sorted({tools[program] for program in missing}))
-        raise LaunchError(f"{purpose} needs {', '.join(missing)}, not installed",
-                          hint=f"apt-get install {packages} (Debian 12 has them; "
-                               "./scripts/bootstrap.sh --system installs them)")
 
 
 def choose_builder(builder: str) -> str:
@@ -108,7 +94,7 @@ def add_metadata(root: Path, image: sif_content.Image, definition: str) -> None:
 
 def build_native(*, tag: str, flavor: str, output: Path, out=sys.stdout) -> tuple[int, str]:
     """Write the SIF of image TAG to OUTPUT; return its size and the partition's sha256."""
-    require(NATIVE_TOOLS, "building a SIF without Apptainer")
+    sif_mount.require(NATIVE_TOOLS, "building a SIF without Apptainer")
     client = docker_client()
     image = image_facts(client, tag)
     definition = ic.sif_definition(ic.apptainer_def(flavor).read_text(), "docker-daemon", tag)
@@ -135,7 +121,7 @@ def build_native(*, tag: str, flavor: str, output: Path, out=sys.stdout) -> tupl
         for command in sif_content.siftool_commands(str(unfinished), str(work / "Singularity"),
                                                     jsons, str(partition), image.architecture):
             _run(command, out, quiet=True)
-        digest = _sha256(partition)
+        digest = sif_mount.sha256_of(partition)
         unfinished.replace(output)
     return output.stat().st_size, digest
 
@@ -144,68 +130,6 @@ def _run(command: list[str], out, quiet: bool = False) -> None:
     print(f"$ {shlex.join(command)}", file=out, flush=True)
     subprocess.run(command, check=True, timeout=3600,
                    stdout=subprocess.DEVNULL if quiet else None)
-
-
-def _sha256(path: Path, offset: int = 0, size: int | None = None) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as stream:
-        stream.seek(offset)
-        left = os.path.getsize(path) - offset if size is None else size
-        while left > 0:
-            chunk = stream.read(min(left, 1 << 20))
-            if not chunk:
-                break
-            digest.update(chunk)
-            left -= len(chunk)
-    return digest.hexdigest()
-
-
-# ------------------------------------------------------------------------------ reading a SIF
-
-def read_descriptors(path: Path) -> list[sif_file.Descriptor]:
-    if not path.is_file():
-        raise LaunchError(f"SIF file {path} does not exist",
-                          hint="build it with `invoke sif` (or give --image PATH.sif)")
-    with open(path, "rb") as stream:
-        return sif_file.descriptors(stream.read(sif_file.HEAD_BYTES))
-
-
-def partition_of(path: Path) -> tuple[int, int, str]:
-    """``(offset, size, sha256)`` of the SIF's primary system partition."""
-    part = sif_file.primary_partition(read_descriptors(path))
-    return part.offset, part.size, _sha256(path, part.offset, part.size)
-
-
-@contextmanager
-def mounted(path: Path, mountpoint: Path | None = None):
-    """The SIF's system partition mounted read-only (squashfuse at its offset), unmounted after;
-    yields the mount point, a root file system for ``ch-run``."""
-    require(MOUNT_TOOLS, "running from a SIF with Charliecloud")
-    offset, _, digest = partition_of(path)
-    where = mountpoint or Path(sif_file.mount_point(digest, tempfile.gettempdir()))
-    where.mkdir(parents=True, exist_ok=True)
-    if os.path.ismount(where):  # another run reads the same bytes: share its mount
-        yield where
-        return
-    subprocess.run(sif_file.mount_command(str(path), offset, str(where)), check=True, timeout=60)
-    try:
-        yield where
-    finally:
-        _unmount(where)
-
-
-def _unmount(where: Path, attempts: int = 20) -> None:
-    """fusermount fails while ranks that just ended still hold files; retry for a few s."""
-    for _ in range(attempts):
-        unmount = subprocess.run(sif_file.unmount_command(str(where)), capture_output=True)
-        if unmount.returncode == 0:
-            break
-        time.sleep(0.5)
-    else:
-        print(f"warning: {where} is still in use; unmount it with fusermount -u {where}",
-              file=sys.stderr)
-        return
-    where.rmdir()
 
 
 # ------------------------------------------------------------------------------------- tasks

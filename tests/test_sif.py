@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from ddp_tasks import image_commands as ic
-from ddp_tasks import sif_build, sif_content, sif_file
+from ddp_tasks import sif_content, sif_file, sif_mount
 from launcher.errors import LaunchError
 from tests.fixtures.docker import COLD_BUILD_TIMEOUT
 from tests.fixtures.golden import golden
@@ -93,7 +93,7 @@ def test_missing_tools_are_one_error_naming_the_debian_packages(tmp_path):
 def test_a_file_that_is_no_sif_is_refused(tmp_path):
     (tmp_path / "x.sif").write_bytes(b"\0" * sif_file.HEAD_BYTES)
     with pytest.raises(LaunchError, match="not a SIF file"):
-        sif_build.read_descriptors(tmp_path / "x.sif")
+        sif_mount.read_descriptors(tmp_path / "x.sif")
 
 
 # -- the file ----------------------------------------------------------------------------------
@@ -105,7 +105,7 @@ def test_siftool_lists_the_objects_apptainer_reads(cpu_sif):
     types = [line.rsplit("|", 1)[1].strip() for line in listing.splitlines()
              if re.match(r"^\d+\s+\|", line)]
     assert types == ["Def.FILE", "JSON.Generic", "JSON.Generic", "FS (Squashfs/*System/amd64)"]
-    names = [d.name for d in sif_build.read_descriptors(cpu_sif.path)]
+    names = [d.name for d in sif_mount.read_descriptors(cpu_sif.path)]
     assert names[:3] == ["Singularity", sif_content.INSPECT_METADATA, sif_content.OCI_CONFIG]
     definition = _siftool("dump", "1", str(cpu_sif.path)).stdout.decode()
     assert definition.startswith("Bootstrap: docker-daemon\nFrom: ")
@@ -114,7 +114,7 @@ def test_siftool_lists_the_objects_apptainer_reads(cpu_sif):
 def test_invoke_sif_prints_the_size_and_the_partitions_digest(cpu_sif):
     printed = DIGEST.search(cpu_sif.output).group(1)
     assert f"{cpu_sif.path}: {cpu_sif.path.stat().st_size} bytes" in cpu_sif.output
-    _, _, digest = sif_build.partition_of(cpu_sif.path)
+    _, _, digest = sif_mount.partition_of(cpu_sif.path)
     dumped = subprocess.run(f"siftool dump 4 {cpu_sif.path} | sha256sum", shell=True,
                             capture_output=True, text=True, check=True, timeout=300)
     assert printed == digest == dumped.stdout.split()[0]
@@ -201,7 +201,7 @@ def test_hydra_mpiexec_starts_ranks_from_the_sif(sif_root, tmp_path):
 @pytest.mark.mpi
 def test_invoke_run_charliecloud_runs_straight_from_the_sif(cpu_sif, tmp_path):
     """``invoke run --runtime charliecloud --image ddp-cpu.sif``: mounted, run, unmounted."""
-    _, _, digest = sif_build.partition_of(cpu_sif.path)
+    _, _, digest = sif_mount.partition_of(cpu_sif.path)
     path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
     result = run_host([*INVOKE, "-r", str(ic.ROOT), "run", "--runtime", "charliecloud",
                        "--procs-per-node", "2", "--image", str(cpu_sif.path), "--bind",
@@ -227,5 +227,5 @@ def test_sbatch_charliecloud_mounts_the_sif_on_each_node_and_unmounts(slurm_clus
     text = output.read_text()
     assert (result.state, result.exit_code) == ("COMPLETED", "0:0"), text
     assert "check passed" in text and "Open MPI v" in text, text
-    _, _, digest = sif_build.partition_of(cpu_sif.path)
+    _, _, digest = sif_mount.partition_of(cpu_sif.path)
     assert not os.path.ismount(sif_file.mount_point(digest)), "the job left its mount behind"
