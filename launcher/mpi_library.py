@@ -206,7 +206,8 @@ def ensure_startable(env: JobEnv) -> MpiChoice:
             f"{how}: MPI cannot connect the {env.world_size} ranks, each would be an MPI "
             "world of its own",
             hint="under Slurm pass srun --mpi=pmi2 or --mpi=pmix (the image has an MPI for "
-            "each); with torchrun or no PMI use --backend gloo (or nccl on GPUs)",
+            "each); with torchrun or no PMI use --backend gloo (or nccl on GPUs), in your "
+            "own script launcher.distributed(backend=\"gloo\")",
         )
     if env.pmi == "pmix" and choice.bundled_mpich:
         raise LaunchError(

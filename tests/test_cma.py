@@ -21,6 +21,7 @@ import pytest
 
 from launcher import cma
 from launcher.env import detect_environment
+from tests.fixtures.requirements import missing
 
 ROOT = Path(__file__).resolve().parents[1]
 MPIEXEC = Path(sys.prefix) / "bin" / "mpiexec"
@@ -137,12 +138,14 @@ def _run_in_separate_namespaces(extra: dict[str, str]) -> tuple[int, str]:
     return done.returncode, done.stdout + done.stderr
 
 
-needs_user_namespaces = pytest.mark.skipif(
-    not _separate_namespaces_work(), reason="unshare -Ur (unprivileged user namespaces) "
-    "is not available on this machine")
+@pytest.fixture
+def user_namespaces() -> None:
+    """Separate user namespaces per rank, as plain ch-run makes them (CI must have them)."""
+    if not _separate_namespaces_work():
+        missing("unshare -Ur (unprivileged user namespaces) is not available on this machine")
 
 
-@needs_user_namespaces
+@pytest.mark.usefixtures("user_namespaces")
 def test_separate_user_namespaces_turn_cma_off_and_sum_right():
     status, output = _run_in_separate_namespaces({})
     assert status == 0, output
@@ -150,7 +153,7 @@ def test_separate_user_namespaces_turn_cma_off_and_sum_right():
     assert output.count(" right") == 4 and "WRONG" not in output, output
 
 
-@needs_user_namespaces
+@pytest.mark.usefixtures("user_namespaces")
 def test_cma_forced_on_across_namespaces_is_a_clear_error_never_a_wrong_sum():
     """The user's MPIR_CVAR_CH4_CMA_ENABLE=1 wins over the probe; MPICH 5.0.2 then returns
     wrong sums, and the backend's transfer check must stop every rank before any is used."""
