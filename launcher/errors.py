@@ -40,6 +40,10 @@ EXIT_RANK_FAILED = 70
 #: EX_TEMPFAIL ("try again later"); batch scripts turn it into ``scontrol requeue``
 EXIT_PREEMPTED = 75
 
+#: exit status after Ctrl-C (SIGINT): 128 + 2, what a shell reports for a process SIGINT ended,
+#: so scripts treat it as "stopped on purpose", never as a requeue or bad input
+EXIT_INTERRUPTED = 130
+
 
 def raised_everywhere(error: BaseException) -> bool:
     """Whether every rank raises ``error`` together (so no rank must be told of it)."""

@@ -17,7 +17,8 @@
 device, watches for the preemption signal and always tears everything down. It also ends the
 process the way ``launcher.train`` does: a ``LaunchError`` prints ``error:`` and ``HINT:`` and
 exits 2 on every rank; an exception on one rank ends every rank within seconds, naming it
-(exit 70, ``launcher.failfast``); a lost peer exits 3; ``exit_preempted`` exits 75.
+(exit 70, ``launcher.failfast``); a lost peer exits 3; ``exit_preempted`` exits 75 (130 after
+Ctrl-C, ``launcher.preemption``).
 """
 
 from __future__ import annotations
@@ -35,7 +36,13 @@ import torch.distributed as dist
 from launcher import checkpoint
 from launcher.agreement import agree
 from launcher.env import JobEnv, detect_environment
-from launcher.errors import EXIT_PREEMPTED, LaunchError, RankFailed, report_and_exit
+from launcher.errors import (
+    EXIT_INTERRUPTED,
+    EXIT_PREEMPTED,
+    LaunchError,
+    RankFailed,
+    report_and_exit,
+)
 from launcher.failfast import end_process
 from launcher.logging_utils import print_lines
 from launcher.preemption import Preempted, PreemptionWatch
@@ -98,12 +105,13 @@ class Job:
 
     def preempted(self) -> bool:
         """Collective, at a step boundary: True on every rank when any rank has received the
-        preemption signal (SIGUSR1 or ``DDP_PREEMPT_SIGNAL``) or SIGTERM."""
+        preemption signal (SIGUSR1 or ``DDP_PREEMPT_SIGNAL``), SIGTERM or Ctrl-C."""
         return self.watch.agreed(self.device)
 
     def exit_preempted(self, checkpoint_path: str | Path = "") -> NoReturn:
-        """End every rank with exit status 75 (call it on every rank, after ``save``)."""
-        raise Preempted(str(checkpoint_path))
+        """End every rank with exit status 75, 130 after Ctrl-C (call it on every rank, after
+        ``save``)."""
+        raise Preempted(str(checkpoint_path), self.watch.stop_status or EXIT_PREEMPTED)
 
     # --- checkpoints --------------------------------------------------------------------------
 
@@ -199,7 +207,7 @@ def distributed(backend: str = "auto", timeout_s: float = 300.0) -> Iterator[Job
     with exit_statuses():
         timeout_s = _checked_timeout(timeout_s)
         env = detect_environment()
-        with PreemptionWatch(env.preempt_signal) as watch, \
+        with PreemptionWatch(env.preempt_signal, env.rank) as watch, \
                 process_group(env, backend, timeout_s) as ctx:
             yield Job(ctx.env, ctx.backend, ctx.device, watch)
 
@@ -218,17 +226,19 @@ def _checked_timeout(timeout_s: object) -> float:
 @contextmanager
 def exit_statuses() -> Iterator[None]:
     """End the process with the documented exit status when the body raises what this
-    package raises: 2 a user error, 3 a lost peer, 70 a rank that raised, 75 preempted."""
+    package raises: 2 a user error, 3 a lost peer, 70 a rank that raised, 75 preempted, 130
+    interrupted."""
     try:
         yield
     except LaunchError as error:
         report_and_exit(error, _rank_if_known())
     except Preempted as preempted:
         # every rank says so: under mpiexec/srun only one exit status reaches the job log
+        what = "interrupted" if preempted.status == EXIT_INTERRUPTED else "preempted"
         saved = f", {preempted.checkpoint} saved" if preempted.checkpoint else ""
-        print(f"[rank {_rank_if_known()}] preempted{saved}: exit {EXIT_PREEMPTED}",
+        print(f"[rank {_rank_if_known()}] {what}{saved}: exit {preempted.status}",
               file=sys.stderr, flush=True)
-        sys.exit(EXIT_PREEMPTED)
+        sys.exit(preempted.status)
     except RankFailed as failed:  # reported here and to every other rank already
         end_process(failed.status)
 

@@ -24,7 +24,7 @@ from launcher.agreement import agree
 from launcher.config import TrainConfig, parse_args
 from launcher.data import Dataset, load_dataset
 from launcher.env import JobEnv
-from launcher.errors import EXIT_PREEMPTED, LaunchError
+from launcher.errors import EXIT_INTERRUPTED, LaunchError
 from launcher.evaluation import autocast, evaluate
 from launcher.gradient_sync import (
     allreduce_gradients,
@@ -306,8 +306,10 @@ class Trainer:
 
     def _preempt(self) -> None:
         path = self.save()
-        self.log.info(f"preemption signal received: saved {path} at step {self.position.step}; "
-                      f"exiting with {EXIT_PREEMPTED} (run the same command again to resume)")
+        status = self.job.watch.stop_status
+        self.log.info(f"{'Ctrl-C' if status == EXIT_INTERRUPTED else 'preemption signal'} "
+                      f"received: saved {path} at step {self.position.step}; exiting with "
+                      f"{status} (run the same command again to resume)")
         self.job.exit_preempted(path)
 
     def _stop_early(self) -> None:

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import pytest
 import torch
 
-from launcher.errors import LaunchError
+from launcher.errors import EXIT_INTERRUPTED, LaunchError
 from launcher.preemption import PreemptionWatch
 
 CPU = torch.device("cpu")
@@ -41,3 +42,15 @@ def test_unknown_signal_name():
     with pytest.raises(LaunchError, match="unknown preemption signal 'BOGUS'") as info:
         PreemptionWatch("BOGUS")
     assert "DDP_PREEMPT_SIGNAL" in info.value.hint
+
+
+def test_ctrl_c_stops_with_130_and_wins_over_a_preemption():
+    with PreemptionWatch("USR1") as watch:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        os.kill(os.getpid(), signal.SIGINT)  # no KeyboardInterrupt: a thread takes it
+        deadline = time.monotonic() + 5
+        while not watch.interrupted and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert watch.agreed(CPU)
+        assert watch.stop_status == EXIT_INTERRUPTED
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
