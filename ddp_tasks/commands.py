@@ -18,7 +18,7 @@ from ddp_tasks.cluster import hosts as cluster_hosts
 from ddp_tasks.runtimes import RUNTIMES as RUNTIME_CLASSES
 from launcher import shm
 from launcher.env import parse_signal
-from launcher.errors import EXIT_PREEMPTED, LaunchError
+from launcher.errors import EXIT_PEER_LOST, EXIT_PREEMPTED, LaunchError
 
 LAUNCHERS = ("mpirun", "srun")
 MPI_FLAVOURS = ("mpich", "openmpi")
@@ -357,18 +357,54 @@ def batch_script(launch: Launch, batch: Batch) -> str:
 # Written by `invoke sbatch`; docs/launching.md explains each line.
 {header}
 
-{setup}{render(launch_segments(launch))}
-status=$?
+{setup}{_status_file_lines(launch, render(launch_segments(launch)))}
 # {EXIT_PREEMPTED}: the ranks caught the signal and saved a checkpoint. Requeue: the next run
 # resumes from it. Exit with scontrol's status, so the job counts as failed only when the
-# requeue itself failed; every other status is the job's own.
+# requeue itself failed.
 if [ "$status" -eq {EXIT_PREEMPTED} ]; then
     echo "job $SLURM_JOB_ID preempted (exit {EXIT_PREEMPTED}): requeueing" >&2
     scontrol requeue "$SLURM_JOB_ID"
     exit $?
 fi
+# {EXIT_PEER_LOST}, a peer was lost: passed on, since requeueing without the lost node is
+# not done yet; every other status is passed on too.
 exit "$status"
 """
+
+
+#: launcher.train's --run-dir default and the file launcher.exit_status writes there
+TRAIN_RUN_DIR = "runs/train"
+EXIT_STATUS_FILE = "exit-status"
+
+
+def _status_file_lines(launch: Launch, step: str) -> str:
+    """The step and ``status``: its own, or for launcher.train, when not 0, the one the ranks
+    wrote to the run directory (torchrun exits 1 and srun 128 + N whatever the ranks knew)."""
+    if launch.module != "launcher.train":
+        return f"{step}\nstatus=$?"
+    path = shlex.quote(f"{_flag_value(launch.args, '--run-dir') or TRAIN_RUN_DIR}/"
+                       f"{EXIT_STATUS_FILE}")
+    return f"""status_file={path}
+rm -f "$status_file"  # a previous attempt's ending must not decide this one
+{step}
+status=$?
+# A rank that knows how the job ended wrote it to the run directory: it decides, since
+# torchrun exits 1 and srun 128 + N (a rank a signal ended) whatever the ranks knew.
+if [ "$status" -ne 0 ] && [ -s "$status_file" ]; then
+    read -r status reason < "$status_file"
+    echo "job $SLURM_JOB_ID: the ranks report exit $status: $reason" >&2
+fi"""
+
+
+def _flag_value(args: tuple[str, ...], flag: str) -> str | None:
+    """The last value of ``flag`` in ``args`` (``FLAG VALUE`` or ``FLAG=VALUE``)."""
+    value = None
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith(f"{flag}="):
+            value = arg.split("=", 1)[1]
+    return value
 
 
 def _directive(item: str) -> str:

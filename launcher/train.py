@@ -42,7 +42,7 @@ from launcher.resume import load_weights, resume_state
 def main(argv: list[str] | None = None) -> None:
     with exit_statuses():
         config = parse_args(argv)
-        with distributed(config.backend, config.timeout_s) as job:
+        with distributed(config.backend, config.timeout_s, config.run_dir) as job:
             train(config, job)
 
 

@@ -23,6 +23,8 @@ from pathlib import Path
 import pytest
 
 from ddp_tasks.commands import (
+    EXIT_STATUS_FILE,
+    TRAIN_RUN_DIR,
     Batch,
     Launch,
     batch_script,
@@ -32,7 +34,8 @@ from ddp_tasks.commands import (
     render,
     with_resume,
 )
-from launcher.errors import EXIT_PREEMPTED, EXIT_USER_ERROR, LaunchError
+from launcher import exit_status
+from launcher.errors import EXIT_PEER_LOST, EXIT_PREEMPTED, EXIT_USER_ERROR, LaunchError
 from tests.fixtures.golden import GOLDEN, golden
 from tests.fixtures.mpi import mpiexec_path
 from tests.fixtures.requirements import missing
@@ -281,7 +284,8 @@ def test_sbatch_script_requeues_on_75(tmp_path, srun_exit, scontrol_exit, script
     env = {**os.environ, "PATH": _on_path(stubs),
            "STUB_LOG": str(tmp_path), "SLURM_JOB_ID": "4242",
            "SRUN_EXIT": str(srun_exit), "SCONTROL_EXIT": str(scontrol_exit)}
-    result = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True)
+    result = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True,
+                            cwd=tmp_path)
     assert result.returncode == script_exit, result.stderr
     srun_args = (tmp_path / "srun").read_text().splitlines()
     assert srun_args == [a for segment in launch_segments(SBATCH_LAUNCH) for a in segment][1:]
@@ -290,6 +294,49 @@ def test_sbatch_script_requeues_on_75(tmp_path, srun_exit, scontrol_exit, script
         assert "requeueing" in result.stderr
     else:
         assert not (tmp_path / "scontrol").exists()
+
+
+@pytest.mark.parametrize(
+    ("srun_exit", "written", "script_exit", "requeued"),
+    [
+        # torchrun's 1 after a preemption: the file says 75
+        (1, "75 preempted, runs/train/checkpoints/ckpt-00000009.pt saved", 0, True),
+        (143, "3 lost contact with rank 1 on n7", EXIT_PEER_LOST, False),
+        (1, None, 1, False),  # nothing written: srun's status stands, not the previous attempt's
+        (0, None, 0, False),
+    ],
+)
+def test_sbatch_script_takes_the_status_the_ranks_wrote(tmp_path, srun_exit, written,
+                                                        script_exit, requeued):
+    status_file = tmp_path / "runs" / "train" / "exit-status"
+    status_file.parent.mkdir(parents=True)
+    status_file.write_text("75 preempted, left by the previous attempt\n")
+    stubs = _stubs(tmp_path, {
+        "srun": '[ -z "$WRITTEN" ] || echo "$WRITTEN" > runs/train/exit-status; exit "$SRUN_EXIT"',
+        "scontrol": 'printf "%s\\n" "$@" > "$STUB_LOG/scontrol"',
+    })
+    script = tmp_path / "job.sh"
+    script.write_text(sbatch_text())
+    env = {**os.environ, "PATH": _on_path(stubs), "STUB_LOG": str(tmp_path),
+           "SLURM_JOB_ID": "4242", "SRUN_EXIT": str(srun_exit), "WRITTEN": written or ""}
+    result = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True,
+                            cwd=tmp_path)
+    assert result.returncode == script_exit, result.stderr
+    assert (tmp_path / "scontrol").exists() == requeued, result.stderr
+    if written:
+        code, reason = written.split(" ", 1)
+        assert f"job 4242: the ranks report exit {code}: {reason}\n" in result.stderr
+
+
+def test_status_file_is_where_launcher_train_writes_it():
+    from launcher.config import TrainConfig
+
+    assert Path(TRAIN_RUN_DIR) == TrainConfig().run_dir
+    assert EXIT_STATUS_FILE == exit_status.FILE_NAME
+    custom = Launch(launcher="srun", args=("--run-dir", "/scratch/my run"))
+    assert "status_file='/scratch/my run/exit-status'\n" in batch_script(custom, Batch())
+    other = Launch(launcher="srun", module="mine")
+    assert "status_file" not in batch_script(other, Batch())
 
 
 # -- small pure functions ---------------------------------------------------------------------

@@ -70,6 +70,10 @@ def test_survivors_exit_naming_the_lost_rank(tmp_path, victim):
             else:
                 assert f"rank {victim} (" in stderr, stderr
             assert "HINT:" in stderr and "--resume auto" in stderr
+        # for the batch script (launcher.exit_status): one line, written by the survivors
+        written = (tmp_path / "exit-status").read_text()
+        assert written.startswith(f"{EXIT_PEER_LOST} ") and written.count("\n") == 1, written
+        assert f"rank {victim}" in written, written
     finally:
         for process in ranks:
             process.kill()

@@ -1,0 +1,64 @@
+"""How the job ended, in a file of the run directory: what a batch script reads under any launcher.
+
+torchrun exits 1 whenever a rank exits non-zero, so its status cannot tell "preempted, requeue
+me" (75) from "a peer was lost" (3) or a crash; srun reports 128 + N for a rank a signal ended.
+So the ranks that know write ``<run-dir>/exit-status``, one line: the status and why
+(``75 preempted, runs/train/checkpoints/ckpt-00000120.pt saved``). The batch script of
+``invoke sbatch`` removes it before the step and, when the step's status is not 0, takes the
+file's: one rule for srun, mpiexec and torchrun.
+
+Written only for the endings this package decides, atomically (``launcher.atomic``): an ending
+every rank agreed on (75, 130, a user error raised everywhere) by rank 0 alone, a lost peer (3)
+by every survivor (any of them may be the lost one's only witness), a rank's own failure (70, 2)
+by that rank. A rank that is killed writes nothing: the launcher's status stands.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from pathlib import Path
+
+from launcher.atomic import write_atomic
+from launcher.errors import (
+    EXIT_INTERRUPTED,
+    EXIT_PEER_LOST,
+    EXIT_USER_ERROR,
+    LaunchError,
+    PeerLost,
+    RankFailed,
+    raised_everywhere,
+)
+from launcher.preemption import Preempted
+
+FILE_NAME = "exit-status"
+
+
+@contextmanager
+def recorded(run_dir: Path, rank: int) -> Iterator[None]:
+    """Write ``run_dir/exit-status`` when the body ends the job with one of this package's
+    statuses (the exception then goes on to ``launcher.job.exit_statuses``)."""
+    try:
+        yield
+    except Preempted as stopped:
+        if rank == 0:
+            what = "interrupted" if stopped.status == EXIT_INTERRUPTED else "preempted"
+            _write(run_dir, stopped.status, f"{what}, {stopped.checkpoint} saved")
+        raise
+    except PeerLost as lost:
+        _write(run_dir, EXIT_PEER_LOST, lost.message)
+        raise
+    except LaunchError as error:
+        if not raised_everywhere(error) or rank == 0:
+            _write(run_dir, EXIT_USER_ERROR, error.message)
+        raise
+    except RankFailed as failed:
+        _write(run_dir, failed.status, f"rank {rank} failed: its error is in the job's log")
+        raise
+
+
+def _write(run_dir: Path, status: int, reason: str) -> None:
+    line = " ".join(f"{status} {reason}".split())  # one line, whatever the message held
+    # the run directory may be the problem being reported, or gone: the log says so
+    with suppress(OSError):
+        write_atomic(run_dir / FILE_NAME, f"{line}\n".encode())

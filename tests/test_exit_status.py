@@ -1,0 +1,56 @@
+"""The status file under torchrun: the batch script learns "preempted" where torchrun says 1.
+
+A lost peer's file is checked in tests/test_peer_lost.py, the script's reading of it in
+tests/test_commands.py.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from launcher import checkpoint
+from launcher.errors import EXIT_PREEMPTED
+from tests.fixtures.mpi import REPO_ROOT, clean_environ
+from tests.test_train import RESUME_FLAGS, _wait_for_step
+
+
+def _rank_1(root: int) -> int:
+    """The pid of torchrun's rank 1 (``RANK=1`` in its environment), below ``root``."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes().split(b"\0")
+            stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if b"RANK=1" in environ and int(stat[1]) == root:
+            return int(entry.name)
+    raise AssertionError("no rank 1 below torchrun")
+
+
+def test_preemption_under_torchrun_is_written_where_torchrun_says_1(tmp_path):
+    status_file = tmp_path / "exit-status"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "-m", "launcher.train", "--run-dir", str(tmp_path), "--data-dir", str(tmp_path / "data"),
+         "--backend", "gloo", *RESUME_FLAGS],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_environ(),
+        cwd=REPO_ROOT, start_new_session=True)
+    try:
+        _wait_for_step(process, tmp_path, 3, timeout=180)
+        os.kill(_rank_1(process.pid), signal.SIGUSR1)
+        _, stderr = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+    assert process.returncode == 1, stderr  # torchrun's, whatever the ranks' status
+    saved = checkpoint.list_checkpoints(tmp_path / "checkpoints")
+    assert len(saved) == 1, stderr
+    assert status_file.read_text() == f"{EXIT_PREEMPTED} preempted, {saved[0]} saved\n"
+
