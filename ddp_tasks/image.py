@@ -19,11 +19,11 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from invoke import task
-from invoke.exceptions import Exit
 
 from ddp_tasks import image_commands as ic
+from ddp_tasks.task_errors import user_errors
 from launcher import __version__
-from launcher.errors import EXIT_USER_ERROR, LaunchError
+from launcher.errors import LaunchError
 
 DOCKER_TIMEOUT = 3600  # seconds; a cold build downloads a few hundred MB of wheels
 
@@ -42,15 +42,6 @@ def docker_client(timeout: int = DOCKER_TIMEOUT):
                  "`systemctl start docker`) or set DOCKER_HOST",
         ) from error
     return client
-
-
-@contextmanager
-def user_errors():
-    """Turn a LaunchError into invoke's clean exit: the message and HINT, no traceback."""
-    try:
-        yield
-    except LaunchError as error:
-        raise Exit(str(error), code=EXIT_USER_ERROR) from error
 
 
 def image_exists(client, tag: str) -> bool:

@@ -16,7 +16,8 @@ from invoke import task
 from invoke.exceptions import Exit
 
 from ddp_tasks import commands, sif_file, sif_mount
-from launcher.errors import EXIT_USER_ERROR, LaunchError
+from ddp_tasks.task_errors import user_errors
+from launcher.errors import LaunchError
 from launcher.hostlist import expand_hostlist
 
 HELP = {
@@ -65,15 +66,6 @@ HELP = {
 
 def _help(*names: str) -> dict[str, str]:
     return {name: HELP[name] for name in names}
-
-
-@contextmanager
-def _user_errors():
-    """Show a LaunchError as its message and HINT, without a traceback."""
-    try:
-        yield
-    except LaunchError as error:
-        raise Exit(str(error), code=EXIT_USER_ERROR) from None
 
 
 def _signal(flag: str) -> str:
@@ -142,7 +134,7 @@ def run(c, nodes=1, procs_per_node=1, launcher="mpirun", mpi="mpich", runtime="a
 
     Exits with the ranks' status: 0 done, 2 user error, 75 preempted after a checkpoint.
     """
-    with _user_errors():
+    with user_errors():
         launch = _launch(
             nodes=nodes, procs_per_node=procs_per_node, launcher=launcher, mpi=mpi,
             runtime=runtime, pmi=pmi, hosts=hosts, container_prefix=prefix, hostfile=hostfile,
@@ -182,7 +174,7 @@ def sbatch(c, nodes=1, procs_per_node=1, runtime="apptainer", pmi="pmi2", image=
 
     launcher.train gets `--resume auto` so a requeued job continues from its last checkpoint.
     """
-    with _user_errors():
+    with user_errors():
         launch = _launch(
             nodes=nodes, procs_per_node=procs_per_node, launcher="srun", runtime=runtime,
             pmi=pmi, image=image, gpus_per_node=gpus_per_node, cpus_per_task=cpus_per_task,

@@ -24,8 +24,8 @@ from ddp_tasks.image import (
     docker_client,
     link_fitting_wheels,
     stream_build,
-    user_errors,
 )
+from ddp_tasks.task_errors import user_errors
 from launcher.errors import LaunchError
 
 try:
