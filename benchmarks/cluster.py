@@ -34,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks import cluster_scaling, imb, plots, rank_side  # noqa: E402
 from ddp_tasks import cluster as cl  # noqa: E402
+from ddp_tasks import compose_spec as cs  # noqa: E402
 
 GOALS = {"first_step_s": 5.0, "mpi_weak_scaling_efficiency": 0.85}
 FIRST_STEP = re.compile(r"\bstep 1\b")
@@ -68,7 +69,7 @@ def allreduce(prefix: str, nodes: int) -> dict:
     node0 = prefix + "node0"
     scripts = rank_side.copy_to(node0)
     table = subprocess.run(
-        ["docker", "exec", node0, *cl.mpiexec_one_per_node(cl.hosts(nodes)), "python",
+        ["docker", "exec", node0, *cs.mpiexec_one_per_node(cs.hosts(nodes)), "python",
          f"{scripts}/allreduce.py", "--json", "/shared/allreduce.json"], check=True,
         timeout=RUN_TIMEOUT, capture_output=True, text=True).stdout
     text = subprocess.run(["docker", "exec", node0, "cat", "/shared/allreduce.json"],
@@ -83,8 +84,8 @@ def imb_across(prefix: str, nodes: int, impi: str) -> dict[int, float]:
     subprocess.run(["docker", "cp", f"{impi}/.", f"{node0}:/shared/impi"], check=True,
                    timeout=RUN_TIMEOUT, capture_output=True)
     # Intel MPI's ssh through the cluster's wrapper, as Hydra's (see ssh-launch.sh)
-    argv = imb.imb_argv("/shared/impi", nodes, cl.hosts(nodes),
-                        ssh=f"{cl.CLUSTER_SCRIPTS}/ssh-launch.sh")
+    argv = imb.imb_argv("/shared/impi", nodes, cs.hosts(nodes),
+                        ssh=f"{cs.CLUSTER_SCRIPTS}/ssh-launch.sh")
     output = subprocess.run(["docker", "exec", "-e", "LD_LIBRARY_PATH=/shared/impi/lib", node0,
                              *argv], check=True, timeout=RUN_TIMEOUT, capture_output=True,
                             text=True).stdout
@@ -93,7 +94,7 @@ def imb_across(prefix: str, nodes: int, impi: str) -> dict[int, float]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--image", default=cl.DEFAULT_IMAGE, help="project image (ddp:cpu)")
+    parser.add_argument("--image", default=cs.DEFAULT_IMAGE, help="project image (ddp:cpu)")
     parser.add_argument("--nodes", type=int, default=2, help="cluster size (default 2)")
     parser.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "cluster.json"),
                         help="where to write the results (default: benchmarks/results/)")
@@ -126,10 +127,10 @@ def main() -> int:
             results["allreduce"] = allreduce(prefix, args.nodes)
         if args.scaling_repeats:
             results["weak_scaling"] = cluster_scaling.weak_scaling(
-                prefix, cl.hosts(args.nodes), args.backends.split(","), args.scaling_repeats)
+                prefix, cs.hosts(args.nodes), args.backends.split(","), args.scaling_repeats)
     finally:
         left = cl.remove(project, cl.mpi_compose_file(args.nodes, project))
-        shutil.rmtree(cl.RUNS_DIR / project, ignore_errors=True)
+        shutil.rmtree(cs.RUNS_DIR / project, ignore_errors=True)
     if left:
         raise SystemExit(f"the benchmark cluster left behind: {left}")
     results["machine"] = f"{platform.node()} {platform.machine()}, {os.cpu_count()} cores"

@@ -23,7 +23,7 @@ import subprocess
 import time
 
 from benchmarks.train_scaling import summarize
-from ddp_tasks import cluster as cl
+from ddp_tasks import compose_spec as cs
 
 RUN_TIMEOUT = 600
 PER_RANK_BATCH = 32
@@ -59,7 +59,7 @@ def one_per_node(prefix: str, hosts: list[str], backend: str, steps: int) -> dic
     """One job, one rank on each of ``hosts``, ``PER_RANK_BATCH`` samples per rank."""
     run_dir = f"/shared/scaling/{time.time_ns()}"
     n = len(hosts)
-    argv = [*cl.mpiexec_one_per_node(hosts),
+    argv = [*cs.mpiexec_one_per_node(hosts),
             *_train_args(backend, PER_RANK_BATCH * n, steps, run_dir)]
     _finish(_start(prefix + "node0", argv), f"{n} ranks over {backend}")
     return _result(prefix, run_dir, {"ranks": n, "backend": backend})

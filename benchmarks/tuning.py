@@ -133,14 +133,15 @@ def across_nodes(args, variants: list) -> dict:
     """The jobs on a compose cluster started for them, with both scripts on its shared volume."""
     sys.path.insert(0, str(ROOT))
     from ddp_tasks import cluster as cl
+    from ddp_tasks import compose_spec as cs
 
     project = f"ddptuning{os.getpid()}"
     prefix = f"{project}-"
     try:
         cl.up_mpi(args.nodes, project, prefix, args.image)
         scripts = rank_side.copy_to(f"{prefix}node0")
-        launch = ["docker", "exec", f"{prefix}node0", *cl.mpiexec_one_per_node(
-            cl.hosts(args.nodes))]
+        launch = ["docker", "exec", f"{prefix}node0", *cs.mpiexec_one_per_node(
+            cs.hosts(args.nodes))]
         return compare(launch, ["python", f"{scripts}/tuning.py"], variants, args.rounds,
                        args.seconds)
     finally:

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from benchmarks import cluster_scaling
-from ddp_tasks import cluster as cl
+from ddp_tasks import compose_spec as cs
 from launcher.errors import LaunchError
 from tests.fixtures.cluster import invoke_run, param_hashes, two_network_cluster_running
 from tests.fixtures.mpi import json_objects
@@ -24,14 +24,14 @@ TRAIN = "--epochs 1 --global-batch-size 48 --log-every 5"
 # --- the compose file (pure) ----------------------------------------------------------------
 
 def test_committed_compose_file_is_the_generated_one():
-    assert cl.MPI_COMPOSE.read_text() == cl.render(cl.mpi_compose(cl.DEFAULT_NODES),
-                                                   cl.DEFAULT_NODES), \
+    assert cs.MPI_COMPOSE.read_text() == cs.render(cs.mpi_compose(cs.DEFAULT_NODES),
+                                                   cs.DEFAULT_NODES), \
         "docker/compose.yaml is stale: run `invoke cluster.compose --out docker/compose.yaml`"
 
 
 @pytest.mark.parametrize("nodes", [1, 2, 5])
 def test_compose_spec_shape(nodes):
-    spec = yaml.safe_load(cl.render(cl.mpi_compose(nodes), nodes))
+    spec = yaml.safe_load(cs.render(cs.mpi_compose(nodes), nodes))
     hosts = [f"node{i}" for i in range(nodes)]
     assert list(spec["services"]) == ["keygen", *hosts]
     for host in hosts:
@@ -54,7 +54,7 @@ def test_compose_spec_shape(nodes):
 
 def test_zero_nodes_is_refused():
     with pytest.raises(LaunchError, match="at least 1") as caught:
-        cl.mpi_compose(0)
+        cs.mpi_compose(0)
     assert caught.value.hint
 
 
