@@ -34,7 +34,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from launcher import mpi_library, network, shm
+from launcher import mpi_library, mpi_segments, network, shm
 from launcher.env import JobEnv, planned_network
 from launcher.errors import LaunchError
 from launcher.peer_lost import HOST_KEY, first_line, quiet_c10d
@@ -108,7 +108,9 @@ def start_mpi(env: JobEnv):
         planned = None  # the store's rendezvous says why, or the peers tell rank 0's address
     if planned is not None and abi:
         network.apply(planned, abi)
-    return mpi_library.start(env)
+    comm = mpi_library.start(env)
+    mpi_segments.unlink_mapped(comm)  # nothing left in /dev/shm, however the job ends
+    return comm
 
 
 def _over_mpi(env: JobEnv) -> JobEnv:

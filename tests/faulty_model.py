@@ -23,8 +23,13 @@ MESSAGE = "injected fault"
 
 
 def _fault(exc: Exception) -> Exception:
-    """``exc``, after saying when (the tests measure how long the other ranks take to end)."""
+    """``exc``, after saying when (the tests measure how long the other ranks take to end) and
+    which files of /dev/shm this rank maps (none may be left once the job has ended)."""
     print(f"fault injected at {time.time()}", file=sys.stderr, flush=True)
+    with open("/proc/self/maps") as maps:
+        shm = {line.split(maxsplit=5)[5].removesuffix(" (deleted)").strip()
+               for line in maps if " /dev/shm/" in line}
+    print(f"fault rank maps /dev/shm: {' '.join(sorted(shm))}", file=sys.stderr, flush=True)
     return exc
 
 

@@ -16,6 +16,7 @@ record its own end, each is checked too, and then no rank may be missing.
 
 from __future__ import annotations
 
+import os
 import re
 import socket
 import subprocess
@@ -86,7 +87,7 @@ def _launched(run) -> tuple[subprocess.CompletedProcess, float]:
 
 
 def _check(result: subprocess.CompletedProcess, launcher_ended: float, fault: Fault,
-           run_dir: Path, every_rank_recorded: bool) -> None:
+           run_dir: Path, every_rank_recorded: bool, mpich_runs: bool = False) -> None:
     output = f"--- stdout ---\n{result.stdout}\n--- stderr ---\n{result.stderr}"
     stderr = result.stderr
     injected = re.search(r"fault injected at ([\d.]+)", stderr)
@@ -111,6 +112,11 @@ def _check(result: subprocess.CompletedProcess, launcher_ended: float, fault: Fa
     assert line, output
     assert f"[rank {other}] Traceback" not in stderr, output
     assert "frame #" not in stderr and "Exception raised from" not in stderr, output
+    # nothing of the job left in /dev/shm, whether MPI_Abort or a kill ended it
+    mapped = re.search(r"fault rank maps /dev/shm: (.*)", stderr).group(1).split()
+    if mpich_runs:
+        assert any("/mpich_shm_" in path for path in mapped), output
+    assert not [path for path in mapped if os.path.exists(path)], output
     # no half-written checkpoint, not even a temporary file
     checkpoints = run_dir / "checkpoints"
     assert not list(checkpoints.glob("*")) if checkpoints.exists() else True, output
@@ -154,7 +160,7 @@ def test_one_rank_raises_every_rank_ends_naming_it(request, tmp_path, data_dir, 
     else:
         assert result.returncode != 0
     mpi_runs = launcher == "mpiexec" or backend == "mpi"
-    _check(result, ended, fault, run_dir, every_rank_recorded=not mpi_runs)
+    _check(result, ended, fault, run_dir, not mpi_runs, mpich_runs=backend == "mpi")
     _no_rank_left()
 
 
