@@ -9,8 +9,8 @@ file's: one rule for srun, mpiexec and torchrun.
 
 Written only for the endings this package decides, atomically (``launcher.atomic``): an ending
 every rank agreed on (75, 130, a user error raised everywhere) by rank 0 alone, a lost peer (3)
-by every survivor (any of them may be the lost one's only witness), a rank's own failure (70, 2)
-by that rank. A rank that is killed writes nothing: the launcher's status stands.
+by every survivor (any of them may be the lost one's only witness), a rank's failure (70, 2)
+by the ranks that report it. A rank that is killed writes nothing: the launcher's status stands.
 """
 
 from __future__ import annotations
@@ -53,7 +53,8 @@ def recorded(run_dir: Path, rank: int) -> Iterator[None]:
             _write(run_dir, EXIT_USER_ERROR, error.message)
         raise
     except RankFailed as failed:
-        _write(run_dir, failed.status, f"rank {rank} failed: its error is in the job's log")
+        # a survivor that saw the failure before its watchdog ended it raises this too
+        _write(run_dir, failed.status, "a rank failed: the job's log names it")
         raise
 
 

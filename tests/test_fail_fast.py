@@ -117,6 +117,9 @@ def _check(result: subprocess.CompletedProcess, launcher_ended: float, fault: Fa
     if mpich_runs:
         assert any("/mpich_shm_" in path for path in mapped), output
     assert not [path for path in mapped if os.path.exists(path)], output
+    # what the batch script reads (launcher.exit_status)
+    written = (run_dir / "exit-status").read_text()
+    assert written == f"{EXIT_RANK_FAILED} a rank failed: the job's log names it\n", output
     # no half-written checkpoint, not even a temporary file
     checkpoints = run_dir / "checkpoints"
     assert not list(checkpoints.glob("*")) if checkpoints.exists() else True, output
