@@ -15,7 +15,7 @@ from pathlib import Path
 from invoke import task
 from invoke.exceptions import Exit
 
-from ddp_tasks import commands, sif_file, sif_mount
+from ddp_tasks import batch_script, commands, sif_file, sif_mount
 from ddp_tasks.task_errors import user_errors
 from launcher.errors import LaunchError
 from launcher.hostlist import expand_hostlist
@@ -188,7 +188,7 @@ def sbatch(c, nodes=1, procs_per_node=1, runtime="apptainer", pmi="pmi2", image=
             # every node mounts the partition before the ranks start, and unmounts at exit
             setup = [*(setup or ()), *sif_file.batch_mount_lines(str(sif[0].resolve()), *sif[1:])]
             launch = replace(launch, image=sif[2])
-        text = commands.batch_script(launch, commands.Batch(
+        text = batch_script.batch_script(launch, batch_script.Batch(
             job_name=job_name, time=time, partition=partition, account=account,
             signal=_signal(signal),
             signal_seconds=signal_seconds, output=output, directives=tuple(directive or ()),
@@ -199,7 +199,7 @@ def sbatch(c, nodes=1, procs_per_node=1, runtime="apptainer", pmi="pmi2", image=
     path.chmod(0o755)
     print(path)
     if submit:
-        result = c.run(shlex.join(commands.submit_argv(str(path))), pty=False, hide="out")
+        result = c.run(shlex.join(batch_script.submit_argv(str(path))), pty=False, hide="out")
         print(f"submitted job {result.stdout.strip().split(';')[0]}")
 
 

@@ -22,12 +22,9 @@ from pathlib import Path
 
 import pytest
 
+from ddp_tasks.batch_script import EXIT_STATUS_FILE, TRAIN_RUN_DIR, Batch, batch_script
 from ddp_tasks.commands import (
-    EXIT_STATUS_FILE,
-    TRAIN_RUN_DIR,
-    Batch,
     Launch,
-    batch_script,
     launch_segments,
     parse_env,
     program_env,
