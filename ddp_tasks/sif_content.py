@@ -176,7 +176,7 @@ def metadata_files(image: Image, definition: str) -> dict[str, str]:
     d = SINGULARITY_D
     files = {f"{d}/actions/{name}": text for name, text in ACTIONS.items()}
     files.update({f"{d}/env/{name}": text for name, text in BASE_ENV.items()})
-    files[f"{d}/env/10-docker2singularity.sh"] = docker_env_script(image.config.get("Env") or [])
+    files[f"{d}/env/10-docker2singularity.sh"] = docker_env_script(restated_env(image))
     files[f"{d}/env/90-environment.sh"] = ("#!/bin/sh\n# Custom environment shell code should "
                                            "follow\n\n" + sections.get("environment", ""))
     files[f"{d}/runscript"] = "#!/bin/sh\n\n" + sections.get("runscript", "exec /bin/sh\n")
@@ -194,7 +194,15 @@ def metadata_files(image: Image, definition: str) -> dict[str, str]:
 def charliecloud_files(image: Image) -> dict[str, str]:
     """``/ch/environment``: the image's ENV as ``ch-convert`` writes it (``NAME=VALUE`` lines),
     which ``ch-run --set-env`` reads, so that one file serves Charliecloud too."""
-    return {"ch/environment": "".join(f"{item}\n" for item in image.config.get("Env") or [])}
+    return {"ch/environment": "".join(f"{item}\n" for item in restated_env(image))}
+
+
+def restated_env(image: Image) -> list[str]:
+    """The image's ENV as the SIF restates it, with the source image's id in ``DDP_IMAGE``:
+    ``launcher.check`` compares that value across ranks, so ranks started from SIFs of two
+    different builds (same version, other bytes) are told apart."""
+    return [f"{item} {image.id[:19]}" if item.startswith("DDP_IMAGE=") else item
+            for item in image.config.get("Env") or []]
 
 
 def file_mode(path: str) -> int:

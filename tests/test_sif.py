@@ -153,6 +153,8 @@ def test_a_shell_sourcing_the_env_scripts_gets_the_images_environment(sif_root, 
         name, value = item.split("=", 1)
         if name == "PATH":  # %environment puts the venv first again
             assert seen["PATH"].endswith(value) and seen["PATH"].startswith("/opt/ddp/venv/bin")
+        elif name == "DDP_IMAGE":  # with the source image's id, which launcher.check compares
+            assert seen[name] == f"{value} {dockerd.images.get(sif_image).id[:19]}", seen[name]
         else:
             assert seen[name] == value, name
     assert "/.singularity.d/libs" in seen["LD_LIBRARY_PATH"]
@@ -190,10 +192,13 @@ def test_srun_starts_ranks_from_the_sif(slurm_cluster, sif_root, tmp_path, plugi
 
 @pytest.mark.runtime
 @pytest.mark.mpi
-def test_hydra_mpiexec_starts_ranks_from_the_sif(sif_root, tmp_path):
+def test_hydra_mpiexec_starts_ranks_from_the_sif(sif_root, tmp_path, dockerd, sif_image):
     mpiexec = [str(mpiexec_path()), "-n", "2", *ch_run(sif_root, tmp_path), "python", "-m"]
-    passed_check(run_host([*mpiexec, "launcher.check", "--backend", "mpi"]), MPICH,
-                 "/opt/ddp/venv/lib/libmpi.so.12", "pmi")
+    check = run_host([*mpiexec, "launcher.check", "--backend", "mpi"])
+    passed_check(check, MPICH, "/opt/ddp/venv/lib/libmpi.so.12", "pmi")
+    # the footer holds what every rank agrees on: the build, the SIF's source image id
+    built = dockerd.images.get(sif_image).id[:19]
+    assert re.search(rf"^image: \S+ {built}$", check.stdout, re.M), check.stdout
     equal_hashes(run_host([*mpiexec, "launcher.train", *TRAIN]))
 
 
