@@ -263,7 +263,8 @@ def rendezvous_error(env: JobEnv, backend: str, exc: Exception) -> LaunchError:
         hint = (
             f"check that every node can reach {where} (firewall, hostname resolution); on "
             "machines with several interfaces set GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME; or "
-            "use --backend mpi, which needs no address"
+            "use --backend mpi (launcher.distributed(backend=\"mpi\") in your own script), "
+            "which needs no address"
         )
     return LaunchError(
         f"rank {env.rank} could not join the {backend} process group at {where} "
