@@ -92,9 +92,11 @@ def test_every_library_gets_the_same_interface():
 
 
 def test_the_users_variables_win(monkeypatch):
-    for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "OMPI_MCA_btl_tcp_if_include",
-                 "OMPI_MCA_oob_tcp_if_include"):
-        monkeypatch.delenv(name, raising=False)
+    # apply() writes os.environ: a private copy, so that nothing it sets reaches the ranks
+    # that later tests start (monkeypatch.delenv does not record a name that was not set)
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if k not in (
+        "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "OMPI_MCA_btl_tcp_if_include",
+        "OMPI_MCA_oob_tcp_if_include")})
     monkeypatch.setenv("NCCL_SOCKET_IFNAME", "^docker0")
     monkeypatch.setenv("OMPI_MCA_btl_tcp_if_exclude", "lo,docker0")
     applied = network.apply(network.NetworkChoice("eth1", "", "route to n0"), "openmpi")
