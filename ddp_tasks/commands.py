@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import re
 import shlex
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from ddp_tasks.compose_spec import hosts as cluster_hosts
+from ddp_tasks.launch_spec import Launch
 from ddp_tasks.runtimes import RUNTIMES as RUNTIME_CLASSES
 from launcher import shm
 from launcher.env import parse_signal
@@ -36,32 +37,6 @@ _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 STEP_EXIT_WAIT = 60
 
 _SEGMENT_JOIN = " \\\n    "
-
-
-@dataclass(frozen=True)
-class Launch:
-    """One launch: NODES x PROCS_PER_NODE ranks of ``python -m MODULE ARGS``.
-
-    ``env`` holds the program's variables in order (see ``program_env``); ``hosts`` is empty
-    when the launcher finds the nodes itself (srun, or one node with mpirun).
-    """
-
-    nodes: int = 1
-    procs_per_node: int = 1
-    launcher: str = "mpirun"
-    mpi: str = "mpich"
-    runtime: str = "apptainer"
-    pmi: str = "pmi2"
-    hosts: tuple[str, ...] = ()
-    hostfile: str = ""
-    image: str = ""  # empty: the runtime's default (ddp-cpu.sif, ddp-cpu, ...)
-    gpus_per_node: int = 0
-    cpus_per_task: int = 0
-    binds: tuple[str, ...] = ()
-    module: str = "launcher.train"
-    args: tuple[str, ...] = ()
-    env: tuple[tuple[str, str], ...] = ()
-    container_prefix: str = ""  # docker: container names are PREFIX + host (cluster.up --prefix)
 
 
 def parse_env(items: list[str] | tuple[str, ...]) -> tuple[tuple[str, str], ...]:

@@ -1,6 +1,6 @@
 """Launch tasks: ``invoke run`` starts N nodes x P ranks now, ``invoke sbatch`` writes a job.
 
-Both are thin: they turn flags into a ``commands.Launch`` and print or run what the pure
+Both are thin: they turn flags into a ``Launch`` and print or run what the pure
 builders in ``ddp_tasks.commands`` make of it. docs/launching.md shows examples.
 """
 
@@ -16,6 +16,7 @@ from invoke import task
 from invoke.exceptions import Exit
 
 from ddp_tasks import batch_script, commands, sif_file, sif_mount
+from ddp_tasks.launch_spec import Launch
 from ddp_tasks.task_errors import user_errors
 from launcher.errors import LaunchError
 from launcher.hostlist import expand_hostlist
@@ -74,13 +75,13 @@ def _signal(flag: str) -> str:
 
 
 def _launch(*, hosts, env, signal, omp_threads, master_addr, master_port, ifname, bind,
-            **fields) -> commands.Launch:
+            **fields) -> Launch:
     """A Launch from task flags (the flags named here need parsing, ``fields`` do not)."""
     program_env = commands.program_env(
         _signal(signal), omp_threads or fields["cpus_per_task"], master_addr, master_port,
         ifname, commands.parse_env(env or ()),
     )
-    return commands.Launch(
+    return Launch(
         hosts=tuple(expand_hostlist(hosts, "--hosts")) if hosts else (),
         env=program_env,
         binds=tuple(bind or ()),
@@ -88,7 +89,7 @@ def _launch(*, hosts, env, signal, omp_threads, master_addr, master_port, ifname
     )
 
 
-def _sif_for_charliecloud(launch: commands.Launch) -> tuple[Path, int, str] | None:
+def _sif_for_charliecloud(launch: Launch) -> tuple[Path, int, str] | None:
     """``(SIF, partition offset, mount point)`` when ch-run is to start from a SIF, else None."""
     if launch.runtime != "charliecloud" or not launch.image.endswith(".sif"):
         return None
@@ -96,7 +97,7 @@ def _sif_for_charliecloud(launch: commands.Launch) -> tuple[Path, int, str] | No
     return Path(launch.image), offset, sif_file.mount_point(digest)
 
 
-def _mounted_here(launch: commands.Launch, sif, dry_run: bool):
+def _mounted_here(launch: Launch, sif, dry_run: bool):
     """The SIF mounted on this machine for the run (a context); the mount point as image."""
     if sif is None:
         return nullcontext(launch)

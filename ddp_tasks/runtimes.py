@@ -24,7 +24,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ddp_tasks.commands import Launch
+    from ddp_tasks.launch_spec import Launch
 
 Env = list[tuple[str, str]]
 

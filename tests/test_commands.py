@@ -23,14 +23,8 @@ from pathlib import Path
 import pytest
 
 from ddp_tasks.batch_script import EXIT_STATUS_FILE, TRAIN_RUN_DIR, Batch, batch_script
-from ddp_tasks.commands import (
-    Launch,
-    launch_segments,
-    parse_env,
-    program_env,
-    render,
-    with_resume,
-)
+from ddp_tasks.commands import launch_segments, parse_env, program_env, render, with_resume
+from ddp_tasks.launch_spec import Launch
 from launcher import exit_status
 from launcher.errors import EXIT_PEER_LOST, EXIT_PREEMPTED, EXIT_USER_ERROR, LaunchError
 from tests.fixtures.golden import GOLDEN, golden
