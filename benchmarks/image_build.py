@@ -25,6 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import sif_image  # noqa: E402
+from ddp_tasks import engine  # noqa: E402
 from ddp_tasks import image as image_tasks  # noqa: E402
 from ddp_tasks import image_commands as ic  # noqa: E402
 
@@ -80,8 +81,8 @@ def main() -> int:
                         help="start-up rounds, the contenders taking turns (default 5)")
     args = parser.parse_args()
 
-    client = image_tasks.docker_client()
-    if not image_tasks.image_exists(client, ic.DEFAULT_BASE_TAG):
+    client = engine.docker_client()
+    if not engine.image_exists(client, ic.DEFAULT_BASE_TAG):
         image_tasks.make_base(ic.DEFAULT_BASE_TAG)
     results: dict[str, dict] = {}
     for flavor in args.flavors.split(","):

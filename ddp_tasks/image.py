@@ -7,7 +7,6 @@ tasks are in ``ddp_tasks.sif_build``.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import shlex
@@ -15,44 +14,21 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from contextlib import contextmanager
 from pathlib import Path
 
 from invoke import task
 
 from ddp_tasks import image_commands as ic
-from ddp_tasks.task_errors import user_errors
+from ddp_tasks.engine import (
+    build_lock,
+    docker_client,
+    image_exists,
+    stage_build_inputs,
+    stream_build,
+)
+from ddp_tasks.task_errors import shown_only, user_errors
 from launcher import __version__
 from launcher.errors import LaunchError
-
-DOCKER_TIMEOUT = 3600  # seconds; a cold build downloads a few hundred MB of wheels
-
-
-def docker_client(timeout: int = DOCKER_TIMEOUT):
-    """A docker-py client for the local engine, or a LaunchError that says how to start one."""
-    import docker
-
-    try:
-        client = docker.from_env(timeout=timeout)
-        client.ping()
-    except docker.errors.DockerException as error:
-        raise LaunchError(
-            f"cannot reach the Docker engine ({error})",
-            hint="start it (as root: `dockerd >/var/log/dockerd.log 2>&1 &`, or "
-                 "`systemctl start docker`) or set DOCKER_HOST",
-        ) from error
-    return client
-
-
-def image_exists(client, tag: str) -> bool:
-    import docker
-
-    try:
-        client.images.get(tag)
-    except docker.errors.ImageNotFound:
-        return False
-    return True
-
 
 # ---------------------------------------------------------------------------------------- base
 
@@ -107,78 +83,7 @@ def base(c, tag=ic.DEFAULT_BASE_TAG, suite="bookworm", mirror=ic.DEBIAN_MIRROR):
         make_base(tag, suite, mirror)
 
 
-
 # --------------------------------------------------------------------------------------- build
-
-def link_fitting_wheels(flavor: str, source: Path | None, into: Path) -> None:
-    """Hard-link (wheels are hundreds of MB; a copy across filesystems) SOURCE's wheels that
-    may be offered to pip for FLAVOR (``ic.wheel_fits``) into the directory INTO."""
-    for wheel in sorted(source.glob("*.whl")) if source else []:
-        if not ic.wheel_fits(flavor, wheel.name):
-            continue
-        try:
-            (into / wheel.name).hardlink_to(wheel)
-        except OSError:
-            shutil.copy2(wheel, into / wheel.name)
-
-
-def checked_ca_bundle(ca_bundle: str) -> Path:
-    """The CA bundle's path, or a LaunchError naming a missing one."""
-    bundle = Path(ca_bundle)
-    if not bundle.is_file():
-        raise LaunchError(f"CA bundle {bundle} does not exist",
-                          hint="give the full bundle your host trusts, e.g. "
-                               "/etc/ssl/certs/ca-certificates.crt")
-    return bundle
-
-
-def stage_build_inputs(wheelhouse: str, ca_bundle: str, root: Path = ic.ROOT,
-                       flavor: str = "cpu") -> Path:
-    """Fill ``.build-inputs/`` in the context: links to the wheels, a copy of the CA bundle.
-
-    Stateless: what a previous build left there is replaced, so a build without ``--ca-bundle``
-    never uses an old bundle. Torch wheels of another flavor (``torch-*+cpu`` for cuda) stay
-    out: pip would prefer them, their local version sorting above PyPI's.
-    """
-    inputs = root / ic.BUILD_INPUTS
-    shutil.rmtree(inputs, ignore_errors=True)
-    (inputs / "wheelhouse").mkdir(parents=True)
-    source = Path(wheelhouse) if wheelhouse else None
-    if source is not None and not source.is_dir():
-        raise LaunchError(f"wheelhouse {source} is not a directory",
-                          hint="create it with `pip download --no-deps torch==VERSION -d DIR` "
-                               "or leave --wheelhouse out")
-    link_fitting_wheels(flavor, source, inputs / "wheelhouse")
-    if ca_bundle:
-        shutil.copy2(checked_ca_bundle(ca_bundle), inputs / ic.CA_BUNDLE_NAME)
-    return inputs
-
-
-def stream_build(client, out=sys.stdout, **kwargs) -> str:
-    """Run a build through the engine API, print its progress, return the image id."""
-    image_id = ""
-    for chunk in client.api.build(decode=True, rm=True, forcerm=True, **kwargs):
-        if "error" in chunk:
-            raise LaunchError(f"image build failed: {chunk['error'].strip()}",
-                              hint="the build log above shows the failing step")
-        if "stream" in chunk:
-            out.write(chunk["stream"])
-            out.flush()
-        image_id = chunk.get("aux", {}).get("ID", image_id)
-    return image_id
-
-
-#: builds rewrite .build-inputs/ in the checkout: one at a time on a machine (test sessions,
-#: benchmarks and users run side by side)
-BUILD_LOCK = Path(tempfile.gettempdir()) / "ddp-image-build.lock"
-
-
-@contextmanager
-def build_lock():
-    with open(BUILD_LOCK, "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        yield
-
 
 def build_image(*, flavor: str = "cpu", name: str = ic.DEFAULT_NAME, base_image: str = "",
                 wheelhouse: str = ic.DEFAULT_WHEELHOUSE, ca_bundle: str = "",
@@ -190,13 +95,9 @@ def build_image(*, flavor: str = "cpu", name: str = ic.DEFAULT_NAME, base_image:
     (its ``io.ddp.source-digest`` label) without asking the engine.
     """
     tag = ic.image_tag(name, flavor)
-    wheelhouse_path = ic.ROOT / wheelhouse if wheelhouse else None
-    if wheelhouse_path is not None and wheelhouse == ic.DEFAULT_WHEELHOUSE \
-            and not wheelhouse_path.is_dir():
-        wheelhouse_path = None  # the default is optional; an explicit directory is not
     client = docker_client()
     with build_lock():
-        inputs = stage_build_inputs(str(wheelhouse_path or ""), ca_bundle, flavor=flavor)
+        inputs = stage_build_inputs(wheelhouse, ca_bundle, flavor=flavor)
         digest = ic.source_digest()
         if reuse_current and image_exists(client, tag) \
                 and client.images.get(tag).labels.get("io.ddp.source-digest") == digest:
@@ -282,18 +183,6 @@ def push(c, registry="", flavor="cpu", name=ic.DEFAULT_NAME):
     with user_errors():
         push_image(registry=registry or os.environ.get("DDP_REGISTRY", ""), flavor=flavor,
                    name=name)
-
-
-# ------------------------------------------------------------------------------- dry runs
-
-def shown_only(command: list[str], dry_run: bool, install_hint: str) -> bool:
-    """Print ``command``; True for a dry run; LaunchError when its program is not installed."""
-    print(shlex.join(command), flush=True)
-    if dry_run:
-        return True
-    if not shutil.which(command[0]):
-        raise LaunchError(f"{command[0]} is not installed", hint=install_hint)
-    return False
 
 
 # ----------------------------------------------------------------------------------- chimage

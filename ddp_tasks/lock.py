@@ -19,11 +19,13 @@ from invoke import task
 
 from ddp_tasks import image_commands as ic
 from ddp_tasks import lock_file
-from ddp_tasks.image import (
+from ddp_tasks.engine import (
     checked_ca_bundle,
     docker_client,
-    link_fitting_wheels,
+    run_streamed,
+    stage_wheels,
     stream_build,
+    wheelhouse_source,
 )
 from ddp_tasks.task_errors import user_errors
 from launcher.errors import LaunchError
@@ -43,56 +45,61 @@ def make_lock(*, flavor: str = "cpu", base_image: str = "",
     dependencies = tomllib.loads((ic.ROOT / "pyproject.toml").read_text())["project"][
         "dependencies"]
     wanted = lock_file.requests(flavor, pins, dependencies)
+    source = wheelhouse_source(wheelhouse)
+    bundle = checked_ca_bundle(ca_bundle).resolve() if ca_bundle else None
     client = docker_client()
-    print(f"building the python stage of docker/Dockerfile on {base_image or 'its default base'}",
-          file=out, flush=True)
     with tempfile.TemporaryDirectory(prefix="ddp-lock-") as tmp:
         work = Path(tmp)
-        # the python stage copies nothing in: a context of the Dockerfile alone, rather than
-        # the checkout with its build inputs (hundreds of MB of wheels)
-        (work / "context").mkdir()
-        shutil.copy(ic.ROOT / "docker" / "Dockerfile", work / "context" / "Dockerfile")
-        image = stream_build(client, out=out, path=str(work / "context"),
-                             dockerfile="Dockerfile", target="python",
-                             buildargs={"BASE_IMAGE": base_image} if base_image else {})
+        image = python_stage(client, base_image, work / "context", out)
         (work / "out").mkdir()
-        source = ic.ROOT / wheelhouse if wheelhouse else None
         (work / "wheelhouse").mkdir()
-        link_fitting_wheels(flavor, source if source and source.is_dir() else None,
-                            work / "wheelhouse")
-        has_torch = any((work / "wheelhouse").glob("torch-*.whl"))
         environment = {"HOME": "/tmp", "PIP_NO_CACHE_DIR": "1",
                        "PIP_DISABLE_PIP_VERSION_CHECK": "1", "PIP_FIND_LINKS": "/wheelhouse"}
-        index = ic.torch_index_for(flavor, has_torch)
+        index = ic.torch_index_for(flavor, stage_wheels(flavor, source, work / "wheelhouse"))
         if index:
             environment["PIP_EXTRA_INDEX_URL"] = index
         volumes = {str(work / "out"): {"bind": "/out", "mode": "rw"},
                    str(work / "wheelhouse"): {"bind": "/wheelhouse", "mode": "ro"}}
-        if ca_bundle:
-            volumes[str(checked_ca_bundle(ca_bundle).resolve())] = {"bind": "/tmp/ca.crt",
-                                                                    "mode": "ro"}
+        if bundle:
+            volumes[str(bundle)] = {"bind": "/tmp/ca.crt", "mode": "ro"}
             environment["PIP_CERT"] = "/tmp/ca.crt"
         script = lock_file.resolver_script(wanted, f"mpi4py=={pins['MPI4PY_VERSION']}")
         print(f"resolving in {image.removeprefix('sha256:')[:12]}:\n{script}", file=out, flush=True)
-        container = client.containers.run(
-            image, ["bash", "-c", script], detach=True, environment=environment,
-            volumes=volumes, user=f"{os.getuid()}:{os.getgid()}")
-        try:
-            for chunk in container.logs(stream=True, follow=True):
-                out.write(chunk.decode(errors="replace"))
-            status = container.wait(timeout=1800)["StatusCode"]
-        finally:
-            container.remove(force=True)
+        status = run_streamed(client, image, ["bash", "-c", script], out=out,
+                              environment=environment, volumes=volumes,
+                              user=f"{os.getuid()}:{os.getgid()}")
         if status != 0:
             raise LaunchError(f"pip could not resolve the {flavor} flavor (exit {status})",
                               hint="pip's reason is above; behind a TLS-intercepting proxy "
                                    "pass --ca-bundle, on a closed network put the wheels in "
                                    "--wheelhouse")
-        reports = {name: json.loads((work / "out" / f"{name}.json").read_text())
-                   for name in wanted}
-        sdist = next((work / "out" / "sdist").iterdir())
-        text = lock_file.lock_text(
-            flavor, reports, {"mpi4py": hashlib.sha256(sdist.read_bytes()).hexdigest()})
+        text = locked_text(flavor, wanted, work / "out")
+    return write_lock(flavor, text, pins, output, out)
+
+
+def python_stage(client, base_image: str, context: Path, out) -> str:
+    """Build the Dockerfile's python stage; its image id."""
+    print(f"building the python stage of docker/Dockerfile on {base_image or 'its default base'}",
+          file=out, flush=True)
+    # the python stage copies nothing in: a context of the Dockerfile alone, rather than
+    # the checkout with its build inputs (hundreds of MB of wheels)
+    context.mkdir()
+    shutil.copy(ic.ROOT / "docker" / "Dockerfile", context / "Dockerfile")
+    return stream_build(client, out=out, path=str(context), dockerfile="Dockerfile",
+                        target="python",
+                        buildargs={"BASE_IMAGE": base_image} if base_image else {})
+
+
+def locked_text(flavor: str, wanted: dict[str, list[str]], reports_dir: Path) -> str:
+    """The lock file from the resolver's reports and the mpi4py sdist in REPORTS_DIR."""
+    reports = {name: json.loads((reports_dir / f"{name}.json").read_text()) for name in wanted}
+    sdist = next((reports_dir / "sdist").iterdir())
+    return lock_file.lock_text(
+        flavor, reports, {"mpi4py": hashlib.sha256(sdist.read_bytes()).hexdigest()})
+
+
+def write_lock(flavor: str, text: str, pins: dict[str, str], output: Path | None, out) -> Path:
+    """Write TEXT to OUTPUT (default ``docker/lock-FLAVOR.txt``) unless it contradicts PINS."""
     problems = lock_file.disagreements(flavor, text, pins)
     if problems:
         raise LaunchError(f"the resolved {flavor} packages contradict the pins: "

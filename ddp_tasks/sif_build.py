@@ -18,8 +18,8 @@ from invoke import task
 
 from ddp_tasks import apptainer_def, sif_content, sif_mount
 from ddp_tasks import image_commands as ic
-from ddp_tasks.image import docker_client, shown_only
-from ddp_tasks.task_errors import user_errors
+from ddp_tasks.engine import docker_client
+from ddp_tasks.task_errors import shown_only, user_errors
 from launcher.errors import LaunchError
 
 BUILDERS = ("auto", "native", "apptainer")

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from ddp_tasks import engine
 from ddp_tasks import image as image_tasks
 from ddp_tasks import image_commands as ic
 from launcher import __version__
@@ -73,7 +74,7 @@ def test_a_cuda_build_leaves_cpu_torch_wheels_out(tmp_path):
                  "numpy-2.4.6-cp311-cp311-manylinux_2_28_x86_64.whl"):
         (wheelhouse / name).write_bytes(b"")
     for flavor, expected in (("cpu", 2), ("cuda", 1)):
-        inputs = image_tasks.stage_build_inputs(str(wheelhouse), "", root=tmp_path,
+        inputs = engine.stage_build_inputs(str(wheelhouse), "", root=tmp_path,
                                                 flavor=flavor)
         assert len(list((inputs / "wheelhouse").iterdir())) == expected
 
@@ -114,20 +115,20 @@ def test_stage_build_inputs_is_stateless(tmp_path):
     (wheels / "notes.txt").write_text("not a wheel")
     bundle = tmp_path / "ca.crt"
     bundle.write_text("CERT")
-    inputs = image_tasks.stage_build_inputs(str(wheels), str(bundle), root=tmp_path)
+    inputs = engine.stage_build_inputs(str(wheels), str(bundle), root=tmp_path)
     assert sorted(p.name for p in (inputs / "wheelhouse").iterdir()) == [
         "torch-2.13.0+cpu-cp311-cp311-linux_x86_64.whl"]
     assert (inputs / ic.CA_BUNDLE_NAME).read_text() == "CERT"
-    inputs = image_tasks.stage_build_inputs("", "", root=tmp_path)
+    inputs = engine.stage_build_inputs("", "", root=tmp_path)
     assert not (inputs / ic.CA_BUNDLE_NAME).exists()
     assert list((inputs / "wheelhouse").iterdir()) == []
 
 
 def test_stage_build_inputs_names_missing_inputs(tmp_path):
     with pytest.raises(LaunchError, match="is not a directory"):
-        image_tasks.stage_build_inputs(str(tmp_path / "nope"), "", root=tmp_path)
+        engine.stage_build_inputs(str(tmp_path / "nope"), "", root=tmp_path)
     with pytest.raises(LaunchError, match="does not exist") as error:
-        image_tasks.stage_build_inputs("", str(tmp_path / "nope.crt"), root=tmp_path)
+        engine.stage_build_inputs("", str(tmp_path / "nope.crt"), root=tmp_path)
     assert "ca-certificates.crt" in error.value.hint
 
 
@@ -269,7 +270,7 @@ def test_a_cpu_build_without_the_locked_torch_stops_with_a_hint(dockerd, base_im
     assert f"error: pip could not install the locked torch=={version}+cpu for the cpu " \
            "flavor" in text, text
     assert f"HINT: pip download --no-deps torch=={version} --index-url" in text, text
-    assert not image_tasks.image_exists(dockerd, "ddp-guard:cpu")
+    assert not engine.image_exists(dockerd, "ddp-guard:cpu")
 
 
 @docker_test
