@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from launcher.errors import LaunchError
+
 
 @dataclass(frozen=True)
 class Launch:
@@ -31,3 +33,9 @@ class Launch:
     args: tuple[str, ...] = ()
     env: tuple[tuple[str, str], ...] = ()
     container_prefix: str = ""  # docker: container names are PREFIX + host (cluster.up --prefix)
+
+
+def choose(flag: str, value: str, choices: tuple[str, ...]) -> None:
+    """Raise LaunchError unless ``value`` (given as ``flag``) is one of ``choices``."""
+    if value not in choices:
+        raise LaunchError(f"unknown {flag} {value!r}", hint=f"choose one of: {', '.join(choices)}")

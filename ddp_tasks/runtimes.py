@@ -1,10 +1,12 @@
 """Container runtimes on the host side: one small class per runtime, with a fixed interface.
 
-Each knows the four things a launch needs from it: the prefix that runs a rank's program in
-the image (``exec_prefix``), how the program's variables reach the rank (``launcher_env``:
-the names the host launcher must set; ``exec_prefix`` may carry them instead), its bind
-syntax, and its GPU flag. ``srun_options`` is for the one runtime that is an srun plugin
-(Pyxis). ``RUNTIMES`` lists them by name; ``ddp_tasks.commands`` only asks these methods.
+Each knows what a launch needs from it: the prefix that runs a rank's program in the image
+(``exec_prefix``), how the program's variables reach the rank (``launcher_env``: the names the
+host launcher must set; ``exec_prefix`` may carry them instead), its bind syntax, its GPU flag,
+and its own rules (``validate``). ``srun_options`` is for the one runtime that is an srun plugin
+(Pyxis); ``outer`` and ``prepare`` for the one that runs the host launcher itself in a
+container (Docker). ``RUNTIMES`` lists the classes by name; ``ddp_tasks.commands`` only asks
+these methods. Host launchers (mpiexec, mpirun, srun) have the same shape: host_launchers.py.
 
 What crosses into the container, per runtime (docs/launching.md, "Runtimes"):
 
@@ -21,7 +23,12 @@ What crosses into the container, per runtime (docs/launching.md, "Runtimes"):
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING
+
+from ddp_tasks.compose_spec import hosts as cluster_hosts
+from launcher import shm
+from launcher.errors import LaunchError
 
 if TYPE_CHECKING:
     from ddp_tasks.launch_spec import Launch
@@ -34,9 +41,23 @@ class Runtime:
 
     name = "none"
     default_image = ""
-    #: whether ranks can be started by srun / by mpirun from the host
-    srun_ok = True
-    mpirun_ok = True
+
+    def prepare(self, launch: Launch) -> Launch:
+        """The launch with what this runtime fills in itself (before it is validated)."""
+        return launch
+
+    def validate(self, launch: Launch) -> None:
+        """Raise LaunchError for what this runtime cannot do, naming the flag to change."""
+        if launch.binds and not self.binds:
+            able = ", ".join(name for name, cls in RUNTIMES.items() if cls().binds)
+            raise LaunchError(
+                f"--bind needs a container runtime that binds ({able}), not {launch.runtime}",
+                hint="drop --bind, or pass --runtime with one",
+            )
+
+    def outer(self, launch: Launch) -> list[str]:
+        """What the host launcher itself runs in: nothing but the host, except for Docker."""
+        return []
 
     def launcher_env(self, env: Env) -> Env:
         return list(env)
@@ -119,7 +140,12 @@ class Pyxis(Runtime):
     """Pyxis/enroot: srun's own ``--container-*`` options, nothing in front of the program."""
 
     name, default_image = "pyxis", "ddp+cpu.sqsh"
-    mpirun_ok = False
+
+    def validate(self, launch: Launch) -> None:
+        super().validate(launch)
+        if launch.launcher != "srun":
+            raise LaunchError(f"--runtime {self.name} is an srun plugin: {launch.launcher} "
+                              "cannot use it", hint="pass --launcher srun")
 
     def bind_args(self, bind: str) -> list[str]:
         return [bind]
@@ -152,13 +178,60 @@ class PodmanHpc(Runtime):
 
 
 class Docker(Runtime):
-    """The compose cluster: ``docker exec`` into node0, where mpiexec reaches the others."""
+    """The compose cluster: ``docker exec`` into node0, where mpiexec reaches the others over
+    ssh; or, with ``--image``, one node in ``docker run IMAGE``. Hydra runs inside either."""
 
     name = "docker"
-    srun_ok = False
+
+    def prepare(self, launch: Launch) -> Launch:
+        """The cluster's node0..node{N-1} unless hosts are named, and DDP_HOSTS: Hydra exports
+        no node list, and with it each rank names its interface (the route to another node)
+        before MPI starts, also on the node whose own name is loopback."""
+        if launch.image or launch.hostfile:
+            return launch
+        hosts = launch.hosts or tuple(cluster_hosts(launch.nodes))
+        if "DDP_HOSTS" not in dict(launch.env):
+            launch = replace(launch, env=(*launch.env, ("DDP_HOSTS", ",".join(hosts))))
+        return replace(launch, hosts=hosts)
+
+    def validate(self, launch: Launch) -> None:
+        super().validate(launch)
+        if launch.launcher == "srun":
+            others = [name for name in RUNTIMES if name != self.name]
+            raise LaunchError(
+                f"--runtime {self.name} cannot be started by srun",
+                hint=f"on Slurm use --runtime {', '.join(others[:-1])} or {others[-1]}; "
+                "docker is for the compose cluster with --launcher mpirun",
+            )
+        if launch.image and (launch.nodes > 1 or launch.hosts):
+            raise LaunchError(
+                f"--runtime docker --image {launch.image} runs one node in `docker run`, not "
+                f"{launch.nodes} nodes",
+                hint="leave --image out to use the compose cluster (invoke cluster.up --nodes N), "
+                "or pass --nodes 1",
+            )
+        if launch.mpi != "mpich":
+            raise LaunchError(
+                f"--runtime docker with --mpi {launch.mpi}: the image ships MPICH's Hydra only",
+                hint="pass --mpi mpich (the default)",
+            )
+        if launch.hostfile:
+            raise LaunchError(
+                "--runtime docker takes no --hostfile: mpiexec starts in the first node's "
+                "container", hint="pass --hosts node0,node1 or leave it out for node0..node{N-1}",
+            )
+
+    def outer(self, launch: Launch) -> list[str]:
+        if not launch.image:
+            return ["docker", "exec", launch.container_prefix + launch.hosts[0]]
+        # /dev/shm for the node's ranks (launcher.shm; Docker's 64 MiB crashes or hangs
+        # MPI_Init) and unlimited locked memory for RDMA registration
+        size = shm.docker_size(shm.recommended_shm(launch.procs_per_node))
+        return ["docker", "run", "--rm", f"--shm-size={size}", "--ulimit", "memlock=-1",
+                launch.image]
 
 
-RUNTIMES: dict[str, Runtime] = {
-    runtime.name: runtime
-    for runtime in (Apptainer(), Charliecloud(), Pyxis(), PodmanHpc(), Docker(), Runtime())
+#: every runtime by its --runtime name, in the order help texts list them
+RUNTIMES: dict[str, type[Runtime]] = {
+    cls.name: cls for cls in (Apptainer, Charliecloud, Pyxis, PodmanHpc, Docker, Runtime)
 }
