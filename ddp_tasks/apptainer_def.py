@@ -11,30 +11,12 @@ from __future__ import annotations
 import re
 import shlex
 
+from ddp_tasks import flavors
 from ddp_tasks import image_commands as ic
 
 _RUNTIME_STAGE = re.compile(r"^FROM\s+\S+\s+AS\s+runtime\s*$", re.MULTILINE | re.IGNORECASE)
 _INSTRUCTION = re.compile(r"^(LABEL|ENV)\s+((?:.*\\\n)*.*)$", re.MULTILINE)
 _ARG_REFERENCE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
-
-_HELP = {
-    "cpu": """\
-    PyTorch DistributedDataParallel over MPI, Slurm and torchrun (docs/image.md), CPU.
-    Self-check on a Slurm allocation:
-      srun --mpi=pmi2 apptainer exec ddp-cpu.sif python -m launcher.check --backend mpi
-    With the host's MPI bound in instead of the image's:
-      APPTAINERENV_LD_LIBRARY_PATH=/opt/host-mpi/lib srun --mpi=pmix \\
-        apptainer exec --bind /path/to/host/mpi/lib:/opt/host-mpi/lib ddp-cpu.sif \\
-        python -m launcher.check --backend mpi""",
-    "cuda": """\
-    PyTorch DistributedDataParallel over MPI, Slurm and torchrun (docs/image.md), CUDA.
-    The GPU driver comes from the host: always pass --nv (Apptainer binds the driver's
-    libraries and the devices), one GPU per rank:
-      srun --mpi=pmi2 --gpus-per-task=1 apptainer exec --nv ddp-cuda.sif \\
-        python -m launcher.check --backend nccl
-    Without --nv, torch finds no GPU and launcher.check reports CUDA absent.""",
-}
-
 
 def runtime_instructions(dockerfile: str) -> list[tuple[str, list[tuple[str, str]]]]:
     """``[(LABEL|ENV, [(key, value), ...]), ...]`` of the runtime stage, in order."""
@@ -50,13 +32,13 @@ def flavor_args(flavor: str, pins: dict[str, str]) -> dict[str, str]:
     """The build arguments ``invoke build --flavor FLAVOR`` uses, as the Dockerfile sees them."""
     from launcher import __version__
 
-    return {**pins, "FLAVOR": flavor, **ic.FLAVOR_ARGS[flavor],
+    return {**pins, "FLAVOR": flavor, **flavors.get(flavor).build_args,
             "DDP_IMAGE": ic.image_identity(ic.DEFAULT_NAME, __version__, flavor)}
 
 
 def definition(flavor: str, dockerfile: str | None = None) -> str:
     """The text of ``apptainer/ddp-<flavor>.def``."""
-    ic.check_flavor(flavor)
+    help_text = flavors.get(flavor).sif_help
     dockerfile = dockerfile if dockerfile is not None else ic.DOCKERFILE.read_text()
     args = flavor_args(flavor, ic.dockerfile_args(dockerfile))
 
@@ -109,5 +91,5 @@ From: {image}
     python -m launcher.check
 
 %help
-{_HELP[flavor]}
+{help_text}
 """

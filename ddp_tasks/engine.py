@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ddp_tasks import image_commands as ic
+from ddp_tasks.flavors import Flavor
 from launcher.errors import LaunchError
 
 DOCKER_TIMEOUT = 3600  # seconds; a cold build downloads a few hundred MB of wheels
@@ -105,11 +106,11 @@ def wheelhouse_source(wheelhouse: str) -> Path | None:
                            "or leave --wheelhouse out")
 
 
-def stage_wheels(flavor: str, source: Path | None, into: Path) -> bool:
+def stage_wheels(flavor: Flavor, source: Path | None, into: Path) -> bool:
     """Hard-link (wheels are hundreds of MB; a copy across filesystems) SOURCE's wheels that
-    may be offered to pip for FLAVOR (``ic.wheel_fits``) into INTO; whether torch is one."""
+    may be offered to pip for FLAVOR (``Flavor.fits_wheel``) into INTO; whether torch is one."""
     for wheel in sorted(source.glob("*.whl")) if source else []:
-        if not ic.wheel_fits(flavor, wheel.name):
+        if not flavor.fits_wheel(wheel.name):
             continue
         try:
             (into / wheel.name).hardlink_to(wheel)
@@ -128,8 +129,8 @@ def checked_ca_bundle(ca_bundle: str) -> Path:
     return bundle
 
 
-def stage_build_inputs(wheelhouse: str, ca_bundle: str, root: Path = ic.ROOT,
-                       flavor: str = "cpu") -> Path:
+def stage_build_inputs(wheelhouse: str, ca_bundle: str, *, flavor: Flavor,
+                       root: Path = ic.ROOT) -> Path:
     """Fill ``.build-inputs/`` in the context ROOT: links to the wheels, a copy of the CA bundle.
 
     Stateless: what a previous build left there is replaced, so a build without ``--ca-bundle``

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from invoke import task
 
+from ddp_tasks import flavors
 from ddp_tasks import image_commands as ic
 from ddp_tasks.engine import (
     build_lock,
@@ -85,7 +86,7 @@ def base(c, tag=ic.DEFAULT_BASE_TAG, suite="bookworm", mirror=ic.DEBIAN_MIRROR):
 
 # --------------------------------------------------------------------------------------- build
 
-def build_image(*, flavor: str = "cpu", name: str = ic.DEFAULT_NAME, base_image: str = "",
+def build_image(*, flavor: str = flavors.DEFAULT, name: str = ic.DEFAULT_NAME, base_image: str = "",
                 wheelhouse: str = ic.DEFAULT_WHEELHOUSE, ca_bundle: str = "",
                 keep_ca: bool = False, build_args: str = "", nocache: bool = False,
                 reuse_current: bool = False, out=sys.stdout) -> str:
@@ -94,10 +95,11 @@ def build_image(*, flavor: str = "cpu", name: str = ic.DEFAULT_NAME, base_image:
     ``reuse_current``: keep an existing NAME:FLAVOR built from the same sources and inputs
     (its ``io.ddp.source-digest`` label) without asking the engine.
     """
+    spec = flavors.get(flavor)
     tag = ic.image_tag(name, flavor)
     client = docker_client()
     with build_lock():
-        inputs = stage_build_inputs(wheelhouse, ca_bundle, flavor=flavor)
+        inputs = stage_build_inputs(wheelhouse, ca_bundle, flavor=spec)
         digest = ic.source_digest()
         if reuse_current and image_exists(client, tag) \
                 and client.images.get(tag).labels.get("io.ddp.source-digest") == digest:
@@ -105,9 +107,9 @@ def build_image(*, flavor: str = "cpu", name: str = ic.DEFAULT_NAME, base_image:
             return tag
         has_torch = any((inputs / "wheelhouse").glob("torch-*.whl"))
         args = ic.build_args(
-            flavor=flavor, base_image=base_image,
+            flavor=spec, base_image=base_image,
             identity=ic.image_identity(name, __version__, flavor),
-            torch_index_url=ic.torch_index_for(flavor, has_torch),
+            torch_index_url=ic.torch_index_for(spec, has_torch),
             source_digest=digest, keep_ca=keep_ca, extra=ic.parse_build_args(build_args))
         print(f"building {tag} with " + " ".join(
             f"{k}={v}" for k, v in args.items()), file=out, flush=True)
@@ -117,8 +119,7 @@ def build_image(*, flavor: str = "cpu", name: str = ic.DEFAULT_NAME, base_image:
 
 
 @task(help={
-    "flavor": "cpu (CPU torch) or cuda (PyPI's CUDA torch with the CUDA user space, cuDNN and "
-              "NCCL as wheels); both on the Debian base",
+    "flavor": flavors.HELP,
     "name": f"image name; the tag is NAME:FLAVOR (default {ic.DEFAULT_NAME})",
     "base_image": "base image for both stages, e.g. ddp-base:bookworm from `invoke base` "
                   "(default: debian:bookworm-slim)",
@@ -131,7 +132,7 @@ def build_image(*, flavor: str = "cpu", name: str = ic.DEFAULT_NAME, base_image:
                   "PyTorch compiled with USE_MPI=1, hours)",
     "nocache": "ignore the build cache",
 })
-def build(c, flavor="cpu", name=ic.DEFAULT_NAME, base_image="",
+def build(c, flavor=flavors.DEFAULT, name=ic.DEFAULT_NAME, base_image="",
           wheelhouse=ic.DEFAULT_WHEELHOUSE, ca_bundle="", keep_ca=False, build_args="",
           nocache=False):
     """Build the image for one flavor from docker/Dockerfile (progress is streamed)."""
@@ -143,12 +144,13 @@ def build(c, flavor="cpu", name=ic.DEFAULT_NAME, base_image="",
 
 # ---------------------------------------------------------------------------------------- push
 
-def push_image(*, registry: str, flavor: str = "cpu", name: str = ic.DEFAULT_NAME,
+def push_image(*, registry: str, flavor: str = flavors.DEFAULT, name: str = ic.DEFAULT_NAME,
                out=sys.stdout) -> str:
     """Tag NAME:FLAVOR as REGISTRY/NAME:FLAVOR, push it, return ``REGISTRY/NAME@DIGEST``.
 
     Credentials come from the user's docker config (``docker login``), as docker-py reads it.
     """
+    flavors.get(flavor)
     if not registry:
         raise LaunchError("no registry to push to",
                           hint="pass --registry HOST[:PORT][/PATH] or set DDP_REGISTRY")
@@ -175,10 +177,10 @@ def push_image(*, registry: str, flavor: str = "cpu", name: str = ic.DEFAULT_NAM
 
 @task(help={
     "registry": "registry to push to, HOST[:PORT][/PATH] (default: $DDP_REGISTRY)",
-    "flavor": "flavor of the local image NAME:FLAVOR to push (default cpu)",
+    "flavor": f"flavor of the local image NAME:FLAVOR to push (default {flavors.DEFAULT})",
     "name": f"image name (default {ic.DEFAULT_NAME})",
 })
-def push(c, registry="", flavor="cpu", name=ic.DEFAULT_NAME):
+def push(c, registry="", flavor=flavors.DEFAULT, name=ic.DEFAULT_NAME):
     """Push NAME:FLAVOR to a registry and print its digest (credentials: ~/.docker/config.json)."""
     with user_errors():
         push_image(registry=registry or os.environ.get("DDP_REGISTRY", ""), flavor=flavor,
@@ -190,14 +192,15 @@ def push(c, registry="", flavor="cpu", name=ic.DEFAULT_NAME):
 @task(help={
     "output": "directory image to write (default ddp-FLAVOR: what `invoke run --runtime "
               "charliecloud` runs); replaced if it exists",
-    "flavor": "flavor of the image to convert (default cpu)",
+    "flavor": f"flavor of the image to convert (default {flavors.DEFAULT})",
     "name": f"image name (default {ic.DEFAULT_NAME})",
     "image": "the engine's image to convert (default NAME:FLAVOR)",
     "dry_run": "print the command, run nothing",
 })
-def chimage(c, output="", flavor="cpu", name=ic.DEFAULT_NAME, image="", dry_run=False):
+def chimage(c, output="", flavor=flavors.DEFAULT, name=ic.DEFAULT_NAME, image="", dry_run=False):
     """Convert the Docker image into a Charliecloud image for `ch-run` (needs ch-convert)."""
     with user_errors():
+        flavors.get(flavor)
         command = ic.chimage_command(image or ic.image_tag(name, flavor),
                                      output or f"{name}-{flavor}")
         if shown_only(command, dry_run, "apt-get install charliecloud-builders "

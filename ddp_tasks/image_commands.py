@@ -10,6 +10,9 @@ import hashlib
 import re
 from pathlib import Path
 
+from ddp_tasks import flavors
+from ddp_tasks.flavors import Flavor
+
 ROOT = Path(__file__).resolve().parent.parent
 DOCKERFILE = ROOT / "docker" / "Dockerfile"
 APPTAINER_DIR = ROOT / "apptainer"
@@ -26,29 +29,12 @@ CA_BUNDLE_NAME = "extra-ca.crt"
 #: where ``pip download ... -d .wheelhouse`` puts wheels by default; the build links them in
 DEFAULT_WHEELHOUSE = ".wheelhouse"
 
-FLAVORS = ("cpu", "cuda")
+#: the flavors' names, for the builders and tests that go through all of them
+FLAVORS = flavors.NAMES
 DEFAULT_NAME = "ddp"
 DEFAULT_BASE_TAG = "ddp-base:bookworm"
 DEBIAN_MIRROR = "http://deb.debian.org/debian"
 DEBIAN_SECURITY = "http://deb.debian.org/debian-security"
-#: where each flavor's torch comes from: PyTorch's CPU index for cpu; for cuda PyPI itself,
-#: whose default Linux wheel is the CUDA build and brings the CUDA user space as wheels
-TORCH_INDEX = {
-    "cpu": "https://download.pytorch.org/whl/cpu",
-    "cuda": "",
-}
-#: build arguments each flavor changes from the Dockerfile's defaults (which are the cpu ones).
-#: Both flavors share the Debian base; cuda's versions are those torch's wheel requires
-#: (==) and the build checks them; only the driver comes from the host at run time
-FLAVOR_ARGS = {
-    "cpu": {},
-    "cuda": {
-        "CUDA_VERSION": "13.0",
-        "CUDNN_VERSION": "9.20.0.48",
-        "NCCL_VERSION": "2.29.7",
-        "NVIDIA_VISIBLE_DEVICES": "all",
-    },
-}
 
 _ARG_RE = re.compile(r'^ARG\s+([A-Za-z_][A-Za-z0-9_]*)(?:=("[^"]*"|\S*))?\s*$')
 # files whose content decides the image: a change here means the image must be rebuilt
@@ -73,7 +59,7 @@ def pins() -> dict[str, str]:
 
 def image_tag(name: str, flavor: str) -> str:
     """``NAME:FLAVOR``: the tag a build makes and a push sends (e.g. ``ddp:cpu``)."""
-    check_flavor(flavor)
+    flavors.get(flavor)
     return f"{name}:{flavor}"
 
 
@@ -82,20 +68,11 @@ def image_identity(name: str, version: str, flavor: str) -> str:
     return f"{name}:{version}+{flavor}"
 
 
-def check_flavor(flavor: str) -> None:
-    if flavor not in FLAVORS:
-        from launcher.errors import LaunchError
-
-        raise LaunchError(f"unknown image flavor {flavor!r}",
-                          hint=f"use one of: {', '.join(FLAVORS)}")
-
-
-def build_args(*, flavor: str, identity: str, torch_index_url: str, source_digest: str,
+def build_args(*, flavor: Flavor, identity: str, torch_index_url: str, source_digest: str,
                base_image: str = "", keep_ca: bool = False,
                extra: dict[str, str] | None = None) -> dict[str, str]:
     """``--build-arg`` values for docker/Dockerfile; ``extra`` overrides any of them."""
-    check_flavor(flavor)
-    args = {"FLAVOR": flavor, **FLAVOR_ARGS[flavor]}
+    args = {"FLAVOR": flavor.name, **flavor.build_args}
     if base_image:
         args["BASE_IMAGE"] = base_image
     args.update({
@@ -122,19 +99,13 @@ def parse_build_args(pairs: str) -> dict[str, str]:
     return result
 
 
-def torch_index_for(flavor: str, wheelhouse_has_torch: bool) -> str:
+def torch_index_for(flavor: Flavor, wheelhouse_has_torch: bool) -> str:
     """PyTorch's index for FLAVOR, or none when the wheelhouse already holds the torch wheel.
 
     An unreachable extra index costs minutes of pip retries on closed networks, so a wheelhouse
     with torch in it replaces the index instead of adding to it.
     """
-    return "" if wheelhouse_has_torch else TORCH_INDEX[flavor]
-
-
-def wheel_fits(flavor: str, filename: str) -> bool:
-    """Whether a wheelhouse file may be offered to pip for FLAVOR: a CPU torch wheel never is
-    for cuda, since ``torch==X`` matches ``X+cpu`` and pip prefers that local version."""
-    return flavor == "cpu" or not (filename.startswith("torch-") and "+cpu" in filename)
+    return "" if wheelhouse_has_torch else flavor.torch_index
 
 
 def source_digest(root: Path = ROOT) -> str:

@@ -17,8 +17,8 @@ from pathlib import Path
 
 from invoke import task
 
+from ddp_tasks import flavors, lock_file
 from ddp_tasks import image_commands as ic
-from ddp_tasks import lock_file
 from ddp_tasks.engine import (
     checked_ca_bundle,
     docker_client,
@@ -36,15 +36,16 @@ except ModuleNotFoundError:  # Python 3.10: the same parser, from PyPI (the task
     import tomli as tomllib
 
 
-def make_lock(*, flavor: str = "cpu", base_image: str = "",
+def make_lock(*, flavor: str = flavors.DEFAULT, base_image: str = "",
               wheelhouse: str = ic.DEFAULT_WHEELHOUSE, ca_bundle: str = "",
               output: Path | None = None, out=sys.stdout) -> Path:
     """Resolve FLAVOR's packages in the python stage and write OUTPUT (default
     ``docker/lock-FLAVOR.txt``)."""
+    spec = flavors.get(flavor)
     pins = ic.pins()
     dependencies = tomllib.loads((ic.ROOT / "pyproject.toml").read_text())["project"][
         "dependencies"]
-    wanted = lock_file.requests(flavor, pins, dependencies)
+    wanted = lock_file.requests(spec, pins, dependencies)
     source = wheelhouse_source(wheelhouse)
     bundle = checked_ca_bundle(ca_bundle).resolve() if ca_bundle else None
     client = docker_client()
@@ -55,7 +56,7 @@ def make_lock(*, flavor: str = "cpu", base_image: str = "",
         (work / "wheelhouse").mkdir()
         environment = {"HOME": "/tmp", "PIP_NO_CACHE_DIR": "1",
                        "PIP_DISABLE_PIP_VERSION_CHECK": "1", "PIP_FIND_LINKS": "/wheelhouse"}
-        index = ic.torch_index_for(flavor, stage_wheels(flavor, source, work / "wheelhouse"))
+        index = ic.torch_index_for(spec, stage_wheels(spec, source, work / "wheelhouse"))
         if index:
             environment["PIP_EXTRA_INDEX_URL"] = index
         volumes = {str(work / "out"): {"bind": "/out", "mode": "rw"},
@@ -74,7 +75,7 @@ def make_lock(*, flavor: str = "cpu", base_image: str = "",
                                    "pass --ca-bundle, on a closed network put the wheels in "
                                    "--wheelhouse")
         text = locked_text(flavor, wanted, work / "out")
-    return write_lock(flavor, text, pins, output, out)
+    return write_lock(spec, text, pins, output, out)
 
 
 def python_stage(client, base_image: str, context: Path, out) -> str:
@@ -98,15 +99,16 @@ def locked_text(flavor: str, wanted: dict[str, list[str]], reports_dir: Path) ->
         flavor, reports, {"mpi4py": hashlib.sha256(sdist.read_bytes()).hexdigest()})
 
 
-def write_lock(flavor: str, text: str, pins: dict[str, str], output: Path | None, out) -> Path:
+def write_lock(flavor: flavors.Flavor, text: str, pins: dict[str, str], output: Path | None,
+               out) -> Path:
     """Write TEXT to OUTPUT (default ``docker/lock-FLAVOR.txt``) unless it contradicts PINS."""
     problems = lock_file.disagreements(flavor, text, pins)
     if problems:
-        raise LaunchError(f"the resolved {flavor} packages contradict the pins: "
+        raise LaunchError(f"the resolved {flavor.name} packages contradict the pins: "
                           + "; ".join(problems),
-                          hint="torch requires these versions: update FLAVOR_ARGS in "
-                               "ddp_tasks/image_commands.py or the ARGs in docker/Dockerfile")
-    path = output or lock_file.lock_path(flavor)
+                          hint="torch requires these versions: update the flavor's build_args "
+                               "in ddp_tasks/flavors.py or the ARGs in docker/Dockerfile")
+    path = output or lock_file.lock_path(flavor.name)
     path.write_text(text)
     count = sum(len(s) for s in lock_file.parse(text).values())
     print(f"wrote {path}: {count} packages", file=out, flush=True)
@@ -114,14 +116,15 @@ def write_lock(flavor: str, text: str, pins: dict[str, str], output: Path | None
 
 
 @task(help={
-    "flavor": "cpu or cuda: the image whose packages to lock (default cpu)",
+    "flavor": f"{' or '.join(flavors.NAMES)}: the image whose packages to lock "
+              f"(default {flavors.DEFAULT})",
     "base_image": "base image of the python stage, as for `invoke build` (default "
                   "debian:bookworm-slim)",
     "wheelhouse": f"directory of wheels pip may take, e.g. the CPU torch wheel (default "
                   f"{ic.DEFAULT_WHEELHOUSE}/ when it exists)",
     "ca_bundle": "full CA bundle pip trusts, for TLS-intercepting proxies (default: $PIP_CERT)",
 })
-def lock(c, flavor="cpu", base_image="", wheelhouse=ic.DEFAULT_WHEELHOUSE, ca_bundle=""):
+def lock(c, flavor=flavors.DEFAULT, base_image="", wheelhouse=ic.DEFAULT_WHEELHOUSE, ca_bundle=""):
     """Write docker/lock-FLAVOR.txt: every package of the image, pinned with its hash."""
     with user_errors():
         make_lock(flavor=flavor, base_image=base_image, wheelhouse=wheelhouse,

@@ -13,7 +13,9 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from ddp_tasks import flavors
 from ddp_tasks import image_commands as ic
+from ddp_tasks.flavors import Flavor
 
 SECTIONS = ("mpi", "openmpi", "torch", "project")
 _SECTION_RE = re.compile(r"^# \[([a-z]+)\]$")
@@ -21,7 +23,7 @@ _LINE_RE = re.compile(r"^([A-Za-z0-9._-]+)==(\S+)((?:\s+--hash=sha256:[0-9a-f]{6
 
 
 def lock_path(flavor: str, root: Path = ic.ROOT) -> Path:
-    ic.check_flavor(flavor)
+    flavors.get(flavor)
     return root / "docker" / f"lock-{flavor}.txt"
 
 
@@ -30,13 +32,14 @@ def canonical(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
-def torch_requirement(flavor: str, pins: dict[str, str]) -> str:
-    """cpu names the ``+cpu`` build outright: the lock can then never hold PyPI's CUDA torch."""
+def torch_requirement(flavor: Flavor, pins: dict[str, str]) -> str:
+    """A flavor with a local torch version names it outright (``+cpu``): the lock can then
+    never hold PyPI's CUDA torch."""
     version = pins["TORCH_VERSION"]
-    return f"torch=={version}+cpu" if flavor == "cpu" else f"torch=={version}"
+    return f"torch=={version}+{flavor.torch_local}" if flavor.torch_local else f"torch=={version}"
 
 
-def requests(flavor: str, pins: dict[str, str], dependencies: list[str]) -> dict[str, list[str]]:
+def requests(flavor: Flavor, pins: dict[str, str], dependencies: list[str]) -> dict[str, list[str]]:
     """What each resolution asks pip for: the venv as a whole (the MPI wheels, torch, the
     project's dependencies at the Dockerfile's pins), torch alone (its section), Open MPI."""
     torch = torch_requirement(flavor, pins)
@@ -134,7 +137,7 @@ def parse(text: str) -> dict[str, dict[str, str]]:
     return sections
 
 
-def disagreements(flavor: str, text: str, pins: dict[str, str]) -> list[str]:
+def disagreements(flavor: Flavor, text: str, pins: dict[str, str]) -> list[str]:
     """What in the lock file contradicts the Dockerfile's pins and the flavor's arguments."""
     locked = {name: version for section in parse(text).values()
               for name, version in section.items()}
@@ -145,7 +148,7 @@ def disagreements(flavor: str, text: str, pins: dict[str, str]) -> list[str]:
         "numpy": pins["NUMPY_VERSION"], "scipy": pins["SCIPY_VERSION"],
         "scikit-learn": pins["SCIKIT_LEARN_VERSION"],
     }
-    cuda = ic.FLAVOR_ARGS[flavor]
+    cuda = flavor.build_args
     if cuda.get("CUDA_VERSION"):
         major = cuda["CUDA_VERSION"].split(".")[0]
         wanted[f"nvidia-cudnn-cu{major}"] = cuda["CUDNN_VERSION"]

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from invoke import task
 
-from ddp_tasks import apptainer_def, sif_content, sif_mount
+from ddp_tasks import apptainer_def, flavors, sif_content, sif_mount
 from ddp_tasks import image_commands as ic
 from ddp_tasks.engine import docker_client
 from ddp_tasks.task_errors import shown_only, user_errors
@@ -140,7 +140,7 @@ def sif_plan(*, output: str, flavor: str, source: str, image: str,
              ) -> tuple[Path, str, list[str]]:
     """``(def path, def text, command)`` for ``apptainer build``: the flavor's def as is for
     its own source and image, else a copy pointed at IMAGE under build/."""
-    ic.check_flavor(flavor)
+    flavors.get(flavor)
     own = ic.apptainer_def(flavor)
     text = own.read_text()
     wanted = ic.sif_definition(text, source, image)
@@ -182,7 +182,7 @@ def _native_dry_run(*, output: str, flavor: str, image: str) -> None:
 @task(help={
     "output": "SIF file to write (default NAME-FLAVOR.sif: ddp-cpu.sif, what `invoke run "
               "--runtime apptainer` runs)",
-    "flavor": "flavor of the image to convert (default cpu)",
+    "flavor": f"flavor of the image to convert (default {flavors.DEFAULT})",
     "name": f"image name (default {ic.DEFAULT_NAME})",
     "builder": "apptainer (`apptainer build` with apptainer/ddp-FLAVOR.def), native (docker "
                "export, mksquashfs, siftool: no Apptainer needed) or auto (default: apptainer "
@@ -194,11 +194,11 @@ def _native_dry_run(*, output: str, flavor: str, image: str) -> None:
     "fakeroot": "apptainer builder: build with --fakeroot (unprivileged users)",
     "dry_run": "print the definition file and the commands, run nothing",
 })
-def sif(c, output="", flavor="cpu", name=ic.DEFAULT_NAME, builder="auto", source="docker-daemon",
-        image="", fakeroot=False, dry_run=False):
+def sif(c, output="", flavor=flavors.DEFAULT, name=ic.DEFAULT_NAME, builder="auto",
+        source="docker-daemon", image="", fakeroot=False, dry_run=False):
     """Build a SIF from the Docker image; print its size and its system partition's sha256."""
     with user_errors():
-        ic.check_flavor(flavor)
+        flavors.get(flavor)
         output = output or f"{name}-{flavor}.sif"
         image = image or ic.image_tag(name, flavor)
         if choose_builder(builder) == "apptainer":
@@ -221,7 +221,7 @@ def sif(c, output="", flavor="cpu", name=ic.DEFAULT_NAME, builder="auto", source
 def sif_defs(c):
     """Write apptainer/ddp-FLAVOR.def for every flavor from docker/Dockerfile."""
     ic.APPTAINER_DIR.mkdir(exist_ok=True)
-    for flavor in ic.FLAVORS:
+    for flavor in flavors.NAMES:
         ic.apptainer_def(flavor).write_text(apptainer_def.definition(flavor))
         print(f"wrote {ic.apptainer_def(flavor).relative_to(ic.ROOT)}")
 

@@ -13,8 +13,9 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from invoke.exceptions import Exit
 
-from ddp_tasks import engine
+from ddp_tasks import engine, flavors
 from ddp_tasks import image as image_tasks
 from ddp_tasks import image_commands as ic
 from launcher import __version__
@@ -22,6 +23,8 @@ from launcher.errors import LaunchError
 from tests.fixtures.docker import COLD_BUILD_TIMEOUT, assert_holds_its_lock, host_ca_bundle
 
 # ------------------------------------------------------------------------------ pure builders
+
+CPU = flavors.get("cpu")
 
 
 def test_every_version_is_pinned_at_the_top_of_the_dockerfile():
@@ -49,7 +52,7 @@ def test_hadolint_is_clean():
 
 
 def test_build_args_for_cpu_keep_the_dockerfile_defaults():
-    args = ic.build_args(flavor="cpu", identity="ddp:0.1.0+cpu", torch_index_url="",
+    args = ic.build_args(flavor=flavors.get("cpu"), identity="ddp:0.1.0+cpu", torch_index_url="",
                          source_digest="abc", base_image="ddp-base:bookworm")
     assert args == {"FLAVOR": "cpu", "BASE_IMAGE": "ddp-base:bookworm",
                     "DDP_IMAGE": "ddp:0.1.0+cpu", "TORCH_INDEX_URL": "",
@@ -57,8 +60,9 @@ def test_build_args_for_cpu_keep_the_dockerfile_defaults():
 
 
 def test_build_args_for_cuda_keep_the_base_and_take_pypis_torch():
-    args = ic.build_args(flavor="cuda", identity="ddp:0.1.0+cuda",
-                         torch_index_url=ic.torch_index_for("cuda", False), source_digest="x",
+    cuda = flavors.get("cuda")
+    args = ic.build_args(flavor=cuda, identity="ddp:0.1.0+cuda",
+                         torch_index_url=ic.torch_index_for(cuda, False), source_digest="x",
                          extra={"CUDA_VERSION": "13.1"})
     assert "BASE_IMAGE" not in args and "PYTHON_VERSION" not in args  # the Debian base
     assert args["TORCH_INDEX_URL"] == ""  # PyPI's default torch is the CUDA build
@@ -75,13 +79,13 @@ def test_a_cuda_build_leaves_cpu_torch_wheels_out(tmp_path):
         (wheelhouse / name).write_bytes(b"")
     for flavor, expected in (("cpu", 2), ("cuda", 1)):
         inputs = engine.stage_build_inputs(str(wheelhouse), "", root=tmp_path,
-                                                flavor=flavor)
+                                           flavor=flavors.get(flavor))
         assert len(list((inputs / "wheelhouse").iterdir())) == expected
 
 
 def test_a_wheelhouse_with_torch_replaces_the_torch_index():
-    assert ic.torch_index_for("cpu", True) == ""
-    assert ic.torch_index_for("cpu", False) == "https://download.pytorch.org/whl/cpu"
+    assert ic.torch_index_for(flavors.get("cpu"), True) == ""
+    assert ic.torch_index_for(flavors.get("cpu"), False) == "https://download.pytorch.org/whl/cpu"
 
 
 def test_bad_flavor_and_bad_build_args_say_how_to_fix_them():
@@ -115,21 +119,66 @@ def test_stage_build_inputs_is_stateless(tmp_path):
     (wheels / "notes.txt").write_text("not a wheel")
     bundle = tmp_path / "ca.crt"
     bundle.write_text("CERT")
-    inputs = engine.stage_build_inputs(str(wheels), str(bundle), root=tmp_path)
+    inputs = engine.stage_build_inputs(str(wheels), str(bundle), root=tmp_path, flavor=CPU)
     assert sorted(p.name for p in (inputs / "wheelhouse").iterdir()) == [
         "torch-2.13.0+cpu-cp311-cp311-linux_x86_64.whl"]
     assert (inputs / ic.CA_BUNDLE_NAME).read_text() == "CERT"
-    inputs = engine.stage_build_inputs("", "", root=tmp_path)
+    inputs = engine.stage_build_inputs("", "", root=tmp_path, flavor=CPU)
     assert not (inputs / ic.CA_BUNDLE_NAME).exists()
     assert list((inputs / "wheelhouse").iterdir()) == []
 
 
 def test_stage_build_inputs_names_missing_inputs(tmp_path):
     with pytest.raises(LaunchError, match="is not a directory"):
-        engine.stage_build_inputs(str(tmp_path / "nope"), "", root=tmp_path)
+        engine.stage_build_inputs(str(tmp_path / "nope"), "", root=tmp_path, flavor=CPU)
     with pytest.raises(LaunchError, match="does not exist") as error:
-        engine.stage_build_inputs("", str(tmp_path / "nope.crt"), root=tmp_path)
+        engine.stage_build_inputs("", str(tmp_path / "nope.crt"), root=tmp_path, flavor=CPU)
     assert "ca-certificates.crt" in error.value.hint
+
+
+@pytest.mark.parametrize("filename, cpu, cuda", [
+    ("torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl", True, False),
+    ("torch-2.13.0-cp311-cp311-manylinux_2_28_x86_64.whl", True, True),
+    ("torchvision-0.28.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl", True, True),
+])
+def test_a_flavor_without_a_local_torch_version_refuses_torch_wheels_with_one(filename, cpu,
+                                                                               cuda):
+    assert (flavors.get("cpu").fits_wheel(filename), flavors.get("cuda").fits_wheel(filename)) \
+        == (cpu, cuda)
+
+
+def test_the_default_wheelhouse_is_optional_a_named_one_is_not(tmp_path, monkeypatch):
+    monkeypatch.setattr(ic, "ROOT", tmp_path)
+    assert engine.wheelhouse_source(ic.DEFAULT_WHEELHOUSE) is None
+    assert engine.wheelhouse_source("") is None
+    with pytest.raises(LaunchError, match="wheels is not a directory") as error:
+        engine.wheelhouse_source("wheels")
+    assert "pip download" in error.value.hint
+    (tmp_path / "wheels").mkdir()
+    assert engine.wheelhouse_source("wheels") == tmp_path / "wheels"
+
+
+def _tasks_taking_a_flavor():
+    import tasks
+
+    every = [*tasks.ns.tasks.values(),
+             *(t for sub in tasks.ns.collections.values() for t in sub.tasks.values())]
+    return [t for t in every if "flavor" in inspect.signature(t.body).parameters]
+
+
+@pytest.mark.parametrize("task", _tasks_taking_a_flavor(), ids=lambda t: t.name)
+def test_every_task_names_an_unknown_flavor_before_any_work(task, capsys):
+    """One error and one HINT listing the flavors, before Docker or any tool is asked."""
+    with pytest.raises(Exit) as stopped:
+        task.body(None, flavor="rocm")
+    assert str(stopped.value.message).splitlines() == [
+        "error: unknown image flavor 'rocm'", "HINT: use one of: cpu, cuda"]
+    assert capsys.readouterr().out == ""
+
+
+def test_the_flavor_tasks_are_the_image_tasks():
+    assert {t.name for t in _tasks_taking_a_flavor()} == {
+        "build", "push", "chimage", "sif", "lock"}
 
 
 @pytest.mark.parametrize("task", image_tasks.TASKS, ids=lambda t: t.name)

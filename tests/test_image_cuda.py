@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import pytest
 
-from ddp_tasks import image_commands as ic
+from ddp_tasks import flavors
 from launcher import __version__
 from tests.fixtures.docker import COLD_BUILD_TIMEOUT, assert_holds_its_lock
 
 pytestmark = [pytest.mark.docker, pytest.mark.timeout(2 * COLD_BUILD_TIMEOUT)]
 
-PINS = ic.FLAVOR_ARGS["cuda"]
+PINS = flavors.get("cuda").build_args
 
 
 def test_check_passes_on_two_ranks_over_mpi(cuda_image, run_in_image):

@@ -12,9 +12,9 @@ import pytest
 import tomllib
 from packaging.requirements import Requirement
 
+from ddp_tasks import flavors, lock_file
 from ddp_tasks import image_commands as ic
 from ddp_tasks import lock as lock_tasks
-from ddp_tasks import lock_file
 from launcher.errors import LaunchError
 from tests.fixtures.docker import ensure_torch_wheel, host_ca_bundle
 from tests.fixtures.golden import golden
@@ -79,27 +79,28 @@ def test_a_line_without_a_hash_is_refused_with_the_fix():
 
 
 def test_the_resolver_script_golden():
-    wanted = lock_file.requests("cpu", PINS, ["torch>=2.4", "numpy>=1.24"])
+    wanted = lock_file.requests(flavors.get("cpu"), PINS, ["torch>=2.4", "numpy>=1.24"])
     golden("lock_resolver_cpu.sh", lock_file.resolver_script(wanted, "mpi4py==4.1.2"))
 
 
 def test_cpu_asks_for_the_cpu_build_and_cuda_for_pypis():
-    assert lock_file.torch_requirement("cpu", PINS) == f"torch=={PINS['TORCH_VERSION']}+cpu"
-    assert lock_file.torch_requirement("cuda", PINS) == f"torch=={PINS['TORCH_VERSION']}"
+    version = PINS["TORCH_VERSION"]
+    assert lock_file.torch_requirement(flavors.get("cpu"), PINS) == f"torch=={version}+cpu"
+    assert lock_file.torch_requirement(flavors.get("cuda"), PINS) == f"torch=={version}"
 
 
 @pytest.mark.parametrize("flavor", ic.FLAVORS)
 def test_the_committed_lock_holds_the_pins(flavor):
-    """A pin changed in docker/Dockerfile or FLAVOR_ARGS without `invoke lock` fails here (the
-    build would stop at it too)."""
+    """A pin changed in docker/Dockerfile or a flavor's build_args without `invoke lock` fails
+    here (the build would stop at it too)."""
     text = lock_file.lock_path(flavor).read_text()
-    assert lock_file.disagreements(flavor, text, PINS) == []
+    assert lock_file.disagreements(flavors.get(flavor), text, PINS) == []
 
 
 def test_disagreements_name_the_package_and_both_versions():
     text = lock_file.lock_path("cpu").read_text()
     pins = {**PINS, "NUMPY_VERSION": "9.9.9"}
-    problems = lock_file.disagreements("cpu", text, pins)
+    problems = lock_file.disagreements(flavors.get("cpu"), text, pins)
     assert problems == [f"numpy: the lock has {PINS['NUMPY_VERSION']}, the pins say 9.9.9"]
 
 
@@ -130,7 +131,7 @@ def test_invoke_lock_resolves_in_the_python_stage(dockerd, base_image, tmp_path)
     lock_tasks.make_lock(flavor="cpu", base_image=base_image, ca_bundle=host_ca_bundle(),
                          output=output, out=log)
     text = output.read_text()
-    assert lock_file.disagreements("cpu", text, PINS) == []
+    assert lock_file.disagreements(flavors.get("cpu"), text, PINS) == []
     sections = lock_file.parse(text)
     assert set(sections) == set(lock_file.SECTIONS)
     assert "filelock" in sections["torch"] and "joblib" in sections["project"]
