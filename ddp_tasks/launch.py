@@ -12,39 +12,21 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 from pathlib import Path
 
-from invoke import task
 from invoke.exceptions import Exit
 
 from ddp_tasks import batch_script, commands, sif_file, sif_mount
+from ddp_tasks.batch_script import Batch
 from ddp_tasks.launch_spec import Launch
 from ddp_tasks.task_errors import user_errors
+from ddp_tasks.task_params import documented
 from launcher.errors import LaunchError
 from launcher.hostlist import expand_hostlist
 
-HELP = {
-    "nodes": "number of nodes (default 1)",
-    "procs_per_node": "ranks per node, e.g. one per GPU (default 1)",
-    "launcher": "mpirun (MPI over ssh, or one machine) or srun (inside Slurm); default mpirun",
-    "mpi": "for mpirun: mpich (Hydra mpiexec, the image's MPI) or openmpi; default mpich",
-    "runtime": "apptainer (`apptainer exec` per rank), charliecloud (`ch-run`), pyxis (srun "
-    "--container-image), podman-hpc, docker (mpiexec inside the compose cluster's node0) or "
-    "none (python on the host); default apptainer",
-    "pmi": "for srun: --mpi=pmi2 (default; the image's MPICH), pmix (the image's Open MPI) or "
-    "default (the site's MpiDefault)",
-    "hosts": "one host per node: a,b or n[1-2] (Slurm form); docker default node0..node{N-1}",
-    "prefix": "for --runtime docker: the container name prefix given to cluster.up --prefix",
-    "hostfile": "for mpirun: a host file instead of --hosts",
-    "image": "the runtime's image: apptainer ddp-cpu.sif, charliecloud ddp-cpu (a directory from "
-    "`invoke chimage`, or a SIF from `invoke sif`: its partition is mounted with squashfuse for "
-    "the job), pyxis ddp+cpu.sqsh, podman-hpc ddp:cpu (the defaults); docker: one node in "
-    "`docker run IMAGE` instead of the compose cluster",
-    "gpus_per_node": "GPUs per node: srun/sbatch --gpus-per-node and apptainer --nv (default 0)",
-    "cpus_per_task": "CPUs per rank for Slurm; also the default OMP_NUM_THREADS",
-    "bind": "SRC[:DST] bound into the container (repeatable); the image has empty "
-    "/opt/host-mpi/lib and /scratch for runtimes that cannot create targets",
-    "module": "Python module to run (default launcher.train)",
+LAUNCH, BATCH = Launch(), Batch()
+#: help for the task parameters that are not fields, or mean more on the command line
+NOTES = {
+    "env": "extra variable for every rank, NAME=VALUE",
     "args": "arguments for the module, one shell-quoted string, e.g. '--epochs 3'",
-    "env": "extra variable for every rank, NAME=VALUE (repeatable)",
     "signal": "preemption signal, USR1 or USR2 (default: $DDP_PREEMPT_SIGNAL, else USR1); "
     "sets DDP_PREEMPT_SIGNAL and sbatch --signal",
     "omp_threads": "OMP_NUM_THREADS per rank (default --cpus-per-task, else 1)",
@@ -52,21 +34,18 @@ HELP = {
     "master_port": "MASTER_PORT (default: chosen per job at start-up)",
     "ifname": "network interface for gloo/NCCL (GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME)",
     "dry_run": "print the command and exit",
-    "job_name": "Slurm job name (default ddp)",
-    "time": "Slurm time limit (default 01:00:00)",
+    "job_name": "Slurm job name",
+    "time": "Slurm time limit",
     "partition": "Slurm partition (default: the cluster's)",
     "account": "Slurm account (default: yours)",
-    "signal_seconds": "send the preemption signal this many seconds before the limit (60)",
-    "output": "Slurm output file (default %x-%j.out: job name and id; appended to on requeue)",
+    "signal_seconds": "send the preemption signal this many seconds before the limit",
+    "output": "Slurm output file (%x: job name, %j: job id); appended to on requeue",
     "script": "where to write the batch script (default JOB_NAME.sbatch)",
-    "directive": "another #SBATCH option, e.g. mem=64G or --qos=high (repeatable)",
-    "setup": "a shell line run before srun, e.g. 'module load openmpi' (repeatable)",
     "submit": "also run sbatch and print the job id",
+    "directive": "another #SBATCH option, e.g. mem=64G or --qos=high",
 }
-
-
-def _help(*names: str) -> dict[str, str]:
-    return {name: HELP[name] for name in names}
+#: task parameters named otherwise than their field
+RENAMED = {"prefix": "container_prefix", "bind": "binds", "directive": "directives"}
 
 
 def _signal(flag: str) -> str:
@@ -119,18 +98,14 @@ def _mounted_here(launch: Launch, sif, dry_run: bool):
     return mounted()
 
 
-@task(
-    auto_shortflags=False,
-    iterable=["bind", "env"],
-    help=_help("nodes", "procs_per_node", "launcher", "mpi", "runtime", "pmi", "hosts", "prefix",
-               "hostfile", "image", "gpus_per_node", "cpus_per_task", "bind", "module", "args",
-               "env", "signal", "omp_threads", "master_addr", "master_port", "ifname",
-               "dry_run"),
-)
-def run(c, nodes=1, procs_per_node=1, launcher="mpirun", mpi="mpich", runtime="apptainer",
-        pmi="pmi2", hosts="", prefix="", hostfile="", image="", gpus_per_node=0, cpus_per_task=0,
-        bind=None, module="launcher.train", args="", env=None, signal="", omp_threads=0,
-        master_addr="", master_port=0, ifname="", dry_run=False):
+@documented(Launch, notes=NOTES, renamed=RENAMED, auto_shortflags=False,
+            iterable=["bind", "env"])
+def run(c, nodes=LAUNCH.nodes, procs_per_node=LAUNCH.procs_per_node, launcher=LAUNCH.launcher,
+        mpi=LAUNCH.mpi, runtime=LAUNCH.runtime, pmi=LAUNCH.pmi, hosts="",
+        prefix=LAUNCH.container_prefix, hostfile=LAUNCH.hostfile, image=LAUNCH.image,
+        gpus_per_node=LAUNCH.gpus_per_node, cpus_per_task=LAUNCH.cpus_per_task, bind=None,
+        module=LAUNCH.module, args="", env=None, signal="", omp_threads=0, master_addr="",
+        master_port=0, ifname="", dry_run=False):
     """Launch NODES x PROCS_PER_NODE ranks of MODULE with mpirun or srun, in a container or not.
 
     Exits with the ranks' status: 0 done, 2 user error, 75 preempted after a checkpoint.
@@ -158,19 +133,15 @@ def run(c, nodes=1, procs_per_node=1, launcher="mpirun", mpi="mpich", runtime="a
         raise Exit(code=result.exited)
 
 
-@task(
-    auto_shortflags=False,
-    iterable=["bind", "env", "directive", "setup"],
-    help=_help("nodes", "procs_per_node", "runtime", "pmi", "image", "gpus_per_node",
-               "cpus_per_task", "bind", "module", "args", "env", "signal", "signal_seconds",
-               "omp_threads", "ifname", "job_name", "time", "partition", "account", "output",
-               "directive", "setup", "script", "submit"),
-)
-def sbatch(c, nodes=1, procs_per_node=1, runtime="apptainer", pmi="pmi2", image="",
-           gpus_per_node=0, cpus_per_task=0, bind=None, module="launcher.train", args="",
-           env=None, signal="", signal_seconds=60, omp_threads=0, ifname="", job_name="ddp",
-           time="01:00:00", partition="", account="", output="%x-%j.out", directive=None,
-           setup=None, script="", submit=False):
+@documented(Launch, Batch, notes=NOTES, renamed=RENAMED, auto_shortflags=False,
+            iterable=["bind", "env", "directive", "setup"])
+def sbatch(c, nodes=LAUNCH.nodes, procs_per_node=LAUNCH.procs_per_node, runtime=LAUNCH.runtime,
+           pmi=LAUNCH.pmi, image=LAUNCH.image, gpus_per_node=LAUNCH.gpus_per_node,
+           cpus_per_task=LAUNCH.cpus_per_task, bind=None, module=LAUNCH.module, args="",
+           env=None, signal="", signal_seconds=BATCH.signal_seconds, omp_threads=0, ifname="",
+           job_name=BATCH.job_name, time=BATCH.time, partition=BATCH.partition,
+           account=BATCH.account, output=BATCH.output, directive=None, setup=None, script="",
+           submit=False):
     """Write a Slurm batch script that runs MODULE with srun and requeues itself on preemption.
 
     launcher.train gets `--resume auto` so a requeued job continues from its last checkpoint.

@@ -18,21 +18,59 @@ class Launch:
     """
 
     nodes: int = 1
+    """number of nodes"""
+
     procs_per_node: int = 1
+    """ranks per node, e.g. one per GPU"""
+
     launcher: str = "mpirun"
+    """mpirun (MPI over ssh, or one machine) or srun (inside Slurm)"""
+
     mpi: str = "mpich"
+    """for mpirun: mpich (Hydra mpiexec, the image's MPI) or openmpi"""
+
     runtime: str = "apptainer"
+    """apptainer (`apptainer exec` per rank), charliecloud (`ch-run`), pyxis (srun
+    --container-image), podman-hpc, docker (mpiexec inside the compose cluster's node0) or none
+    (python on the host)"""
+
     pmi: str = "pmi2"
+    """for srun: --mpi=pmi2 (default; the image's MPICH), pmix (the image's Open MPI) or default
+    (the site's MpiDefault)"""
+
     hosts: tuple[str, ...] = ()
+    """one host per node: a,b or n[1-2] (Slurm form); docker default node0..node{N-1}"""
+
     hostfile: str = ""
-    image: str = ""  # empty: the runtime's default (ddp-cpu.sif, ddp-cpu, ...)
+    """for mpirun: a host file instead of --hosts"""
+
+    image: str = ""
+    """the runtime's image: apptainer ddp-cpu.sif, charliecloud ddp-cpu (a directory from
+    `invoke chimage`, or a SIF from `invoke sif`: its partition is mounted with squashfuse for
+    the job), pyxis ddp+cpu.sqsh, podman-hpc ddp:cpu (the defaults); docker: one node in
+    `docker run IMAGE` instead of the compose cluster"""
+
     gpus_per_node: int = 0
+    """GPUs per node: srun/sbatch --gpus-per-node and apptainer --nv"""
+
     cpus_per_task: int = 0
+    """CPUs per rank for Slurm; also the default OMP_NUM_THREADS"""
+
     binds: tuple[str, ...] = ()
+    """SRC[:DST] bound into the container; the image has empty /opt/host-mpi/lib and /scratch
+    for runtimes that cannot create targets"""
+
     module: str = "launcher.train"
+    """Python module to run"""
+
     args: tuple[str, ...] = ()
+    """arguments for the module, one shell-quoted string, e.g. '--epochs 3'"""
+
     env: tuple[tuple[str, str], ...] = ()
-    container_prefix: str = ""  # docker: container names are PREFIX + host (cluster.up --prefix)
+    """every rank's variables, NAME=VALUE: commands.program_env's, then the ones given"""
+
+    container_prefix: str = ""
+    """for --runtime docker: the container name prefix given to cluster.up --prefix"""
 
 
 def choose(flag: str, value: str, choices: tuple[str, ...]) -> None:
