@@ -26,7 +26,6 @@ LAUNCH, BATCH = Launch(), Batch()
 #: help for the task parameters that are not fields, or mean more on the command line
 NOTES = {
     "env": "extra variable for every rank, NAME=VALUE",
-    "args": "arguments for the module, one shell-quoted string, e.g. '--epochs 3'",
     "signal": "preemption signal, USR1 or USR2 (default: $DDP_PREEMPT_SIGNAL, else USR1); "
     "sets DDP_PREEMPT_SIGNAL and sbatch --signal",
     "omp_threads": "OMP_NUM_THREADS per rank (default --cpus-per-task, else 1)",
