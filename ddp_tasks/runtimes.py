@@ -196,10 +196,10 @@ class Docker(Runtime):
 
     def validate(self, launch: Launch) -> None:
         super().validate(launch)
-        if launch.launcher == "srun":
+        if launch.launcher != "mpirun":
             others = [name for name in RUNTIMES if name != self.name]
             raise LaunchError(
-                f"--runtime {self.name} cannot be started by srun",
+                f"--runtime {self.name} cannot be started by {launch.launcher}",
                 hint=f"on Slurm use --runtime {', '.join(others[:-1])} or {others[-1]}; "
                 "docker is for the compose cluster with --launcher mpirun",
             )
