@@ -63,6 +63,14 @@ class JobEnv:
     def is_distributed(self) -> bool:
         return self.world_size > 1
 
+    @property
+    def node_name(self) -> str:
+        """This rank's node as the scheduler names it: several slurmd on one host share one
+        hostname, so the node list's entry wins where there is one (what ``--exclude`` takes)."""
+        if 0 <= self.node_rank < len(self.hosts):
+            return self.hosts[self.node_rank]
+        return self.hostname
+
 
 def parse_signal(value: str, variable: str = "DDP_PREEMPT_SIGNAL") -> str:
     """``USR1``, ``SIGUSR1`` or ``usr1`` -> ``"USR1"``; anything else raises LaunchError."""

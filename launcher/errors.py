@@ -62,9 +62,15 @@ class RankFailed(Exception):
 class PeerLost(LaunchError):
     """Communication with another rank failed or timed out.
 
-    The process must then exit at once: a normal exit runs ``MPI_Finalize`` (mpi4py registers
-    it), which waits for the lost rank forever.
+    ``nodes``: the node names (``JobEnv.node_name``) of the ranks that stopped answering, empty
+    when unknown; batch scripts exclude them from the next attempt. The process must then exit
+    at once: a normal exit runs ``MPI_Finalize`` (mpi4py registers it), which waits for the
+    lost rank forever.
     """
+
+    def __init__(self, message: str, hint: str | None = None, nodes: tuple[str, ...] = ()):
+        super().__init__(message, hint)
+        self.nodes = tuple(nodes)
 
 
 def report_and_exit(error: LaunchError, rank: int | None = None) -> None:

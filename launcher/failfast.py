@@ -32,6 +32,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from launcher import peer_lost
 from launcher.env import JobEnv
 from launcher.errors import EXIT_RANK_FAILED, EXIT_USER_ERROR, LaunchError
 from launcher.peer_lost import quiet_c10d
@@ -269,6 +270,7 @@ def start(env: JobEnv, store: dist.Store | None) -> Watchdog:
     if not env.is_distributed:
         return Watchdog(env, None)
     if store is not None:
+        peer_lost.enrol(env, store)  # before any failure: a silent rank cannot say it later
         return Watchdog(env, StoreChannel(env, store))
     from mpi4py import MPI
 

@@ -24,6 +24,8 @@ from launcher.errors import PeerLost
 
 #: each rank's host name, set in the store at the rendezvous
 HOST_KEY = "ddp/host"
+#: each rank's node name (``JobEnv.node_name``), set in the store by ``enrol``
+NODE_KEY = "ddp/node"
 _ALIVE_KEY = "ddp/alive"
 _DONE_KEY = "ddp/roll-call-read"
 #: how long survivors of a failure wait for each other to answer the roll call
@@ -68,21 +70,31 @@ def quiet_c10d() -> Iterator[None]:
         level.value = saved
 
 
+#: what to do after a lost peer, wherever it is reported
+HINT = ("look at the named node (died, out of memory, stopped, cut off the network); then run "
+        "the same command again: it continues from the last checkpoint (launcher.train's "
+        "--resume auto, job.resume in a script of your own)")
+
+
+def enrol(env: JobEnv, store: dist.Store) -> None:
+    """Leave this rank's node name in the store, for a roll call that finds it silent."""
+    store.set(f"{NODE_KEY}/{env.rank}", env.node_name)
+
+
 def diagnose(env: JobEnv, backend: str, store: dist.Store | None,
              exc: BaseException) -> PeerLost:
     with quiet_c10d():
-        who = _roll_call(env, store) if store is not None else None
+        who, nodes = _roll_call(env, store) if store is not None else (None, ())
     return PeerLost(
-        f"rank {env.rank} on {env.hostname} lost contact in the {backend} process group"
+        f"rank {env.rank} on {env.node_name} lost contact in the {backend} process group"
         + (f": {who}" if who else "") + f" ({first_line(exc)})",
-        hint="look at the named node (died, out of memory, cut off the network); then run the "
-        "same command again: it continues from the last checkpoint (launcher.train's --resume "
-        "auto, job.resume in a script of your own)",
+        hint=HINT, nodes=nodes,
     )
 
 
-def _roll_call(env: JobEnv, store: dist.Store) -> str:
-    """Which ranks still answer through the rendezvous store (hosted by rank 0)."""
+def _roll_call(env: JobEnv, store: dist.Store) -> tuple[str, tuple[str, ...]]:
+    """Which ranks still answer through the rendezvous store (hosted by rank 0), and the node
+    names of those that do not."""
     try:
         silent = _silent_ranks(env, store)
         hosts = [_host_of(store, rank) for rank in silent]
@@ -94,11 +106,12 @@ def _roll_call(env: JobEnv, store: dist.Store) -> str:
             _wait_for(store, [f"{_DONE_KEY}/{r}" for r in answered])
     except Exception:  # any failure means the same: the store is gone
         return (f"rank 0's rendezvous store at {env.master_addr}:{env.master_port} does not "
-                f"answer either: rank 0's node is lost, or {env.hostname} is cut off")
+                f"answer either: rank 0's node is lost, or {env.node_name} is cut off"), ()
     if not silent:
-        return "every rank still answers the rendezvous store"
+        return "every rank still answers the rendezvous store", ()
     names = ", ".join(f"rank {rank} ({host})" for rank, host in zip(silent, hosts, strict=True))
-    return f"no answer within {ROLL_CALL_S:.0f} s from {names}"
+    return (f"no answer within {ROLL_CALL_S:.0f} s from {names}",
+            tuple(dict.fromkeys(h for h in hosts if h != "?")))
 
 
 def _silent_ranks(env: JobEnv, store: dist.Store) -> list[int]:
@@ -123,5 +136,8 @@ def _wait_for(store: dist.Store, keys: list[str], missing_as=None) -> list:
 
 
 def _host_of(store: dist.Store, rank: int) -> str:
-    key = f"{HOST_KEY}/{rank}"
-    return store.get(key).decode() if store.check([key]) else "?"
+    """The rank's node name where it enrolled, else its host name from the rendezvous."""
+    for key in (f"{NODE_KEY}/{rank}", f"{HOST_KEY}/{rank}"):
+        if store.check([key]):
+            return store.get(key).decode()
+    return "?"

@@ -8,18 +8,47 @@ containers.
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 import subprocess
 import sys
 import time
 
 import pytest
+import torch.distributed as dist
 
-from launcher.errors import EXIT_PEER_LOST
+from launcher import peer_lost
+from launcher.env import detect_environment
+from launcher.errors import EXIT_PEER_LOST, PeerLost
 from launcher.rendezvous import free_port
 from tests.fixtures.mpi import REPO_ROOT, clean_environ
 
 WORLD = 3
+
+
+@pytest.mark.parametrize(("hosts", "expected"), [
+    (("n0", "n1"), "n1"),  # two slurmd on one host: the node list tells them apart
+    ((), "box"),  # no node list (mpiexec): the host name
+])
+def test_node_name_is_the_node_lists_entry_else_the_hostname(hosts, expected):
+    env = dataclasses.replace(detect_environment({}, hostname="box"), node_rank=1, hosts=hosts)
+    assert env.node_name == expected
+
+
+def test_roll_call_names_the_silent_ranks_nodes(monkeypatch):
+    monkeypatch.setattr(peer_lost, "ROLL_CALL_S", 0.3)
+    store = dist.HashStore()
+    env = detect_environment({"RANK": "1", "WORLD_SIZE": "3", "LOCAL_RANK": "0",
+                              "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                              "MASTER_PORT": "29500", "DDP_HOSTS": "n0,n1,n2"}, hostname="n1")
+    for rank, node in enumerate(["n0", "n1", "n2"]):
+        store.set(f"{peer_lost.NODE_KEY}/{rank}", node)
+    store.set(f"{peer_lost.HOST_KEY}/2", "box")
+    store.set(f"{peer_lost._ALIVE_KEY}/0", "n0")  # rank 0 answers, rank 2 is silent
+    lost = peer_lost.diagnose(env, "gloo", store, RuntimeError("Connection reset by peer"))
+    assert isinstance(lost, PeerLost)
+    assert lost.nodes == ("n2",)
+    assert "rank 2 (n2)" in lost.message and "rank 0 (" not in lost.message
 
 
 def _start_ranks(tmp_path) -> list[subprocess.Popen]:
