@@ -1,8 +1,9 @@
 """Process group set-up and tear-down: the second stage after the environment.
 
-``process_group(env, backend)`` picks the backend (``launcher.backends``), binds this rank's
-GPU, rendezvouses, starts the fail-fast watchdog and always ends the group again, also when the
-body raises. What leaves the body decides how:
+``process_group(env, backend)`` carries out the backend plan (``launcher.backends.plan``): it
+starts MPI only where the plan says so, binds this rank's GPU, rendezvouses, each start-up stage
+within ``timeout_s`` plus a grace (``launcher.startup_guard``), starts the fail-fast watchdog
+and always ends the group again, also when the body raises. What leaves the body decides how:
 
 - nothing, an error raised on every rank together (``launcher.agreement``), a preemption: the
   group is torn down in order;
@@ -26,12 +27,13 @@ import torch
 import torch.distributed as dist
 
 from launcher import failfast, mpi_library
-from launcher.backends import resolve_auto, select_backend
+from launcher.backends import MPI4PY, BackendFacts, BackendPlan, plan
 from launcher.env import JobEnv, local_device_index
 from launcher.errors import PeerLost, RankFailed, raised_everywhere
 from launcher.gpu_sharing import nccl_unless_gpus_are_shared
 from launcher.peer_lost import diagnose, is_communication_failure
 from launcher.rendezvous import rendezvous_error, start_mpi, start_store
+from launcher.startup_guard import GRACE_S, guarded
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,19 +66,12 @@ def process_group(
     timed out) comes out as ``PeerLost`` naming the ranks and hosts that stopped answering.
     """
     cuda_available = torch.cuda.is_available()
-    resolved = resolve_auto(backend, cuda_available,
-                            mpi_library.measured_faster_than_gloo(env, mpi_library.load(env)))
-    if resolved == "mpi":
-        start_mpi(env)
-    name = select_backend(resolved, cuda_available, dist.is_mpi_available())
+    facts = BackendFacts(cuda_available, dist.is_mpi_available(),
+                         mpi_library.choose(env).bundled_mpich)
+    chosen = plan(backend, env, facts)
     device = bind_device(env, cuda_available)
     timeout = timedelta(seconds=timeout_s)
-    store = None
-    if name in ("gloo", "nccl"):
-        env, store = start_store(env, name, timeout)
-        if name == "nccl" and env.is_distributed:
-            name = nccl_unless_gpus_are_shared(env, store, device, explicit=backend == "nccl")
-    _init(env, name, store, timeout)
+    env, name, store = _start(env, chosen, device, timeout)
     watchdog = failfast.start(env, store)
     healthy = True
     failure: BaseException | None = None
@@ -102,6 +97,30 @@ def process_group(
             if dist.is_initialized():
                 _release_users_of_the_group(failure)
                 dist.destroy_process_group()
+
+
+def _start(env: JobEnv, chosen: BackendPlan, device: torch.device,
+           timeout: timedelta) -> tuple[JobEnv, str, dist.Store | None]:
+    """Carry out ``chosen`` up to an initialised group: the rendezvoused ``env``, the backend's
+    name and the store (None for MPI). Each stage is bounded (``launcher.startup_guard``)."""
+    name, store = chosen.backend, None
+    who = f"rank {env.rank} on {env.hostname}"
+    with guarded(who, timeout.total_seconds() + GRACE_S, enabled=env.is_distributed) as guard:
+        if chosen.start_mpi:
+            guard.stage("starting MPI")
+            start_mpi(env)
+        if name == MPI4PY:
+            from launcher import mpi_backend
+
+            mpi_backend.register()
+        guard.stage("the rendezvous")
+        if chosen.store:
+            env, store = start_store(env, name, timeout)
+            if chosen.if_gpu_shared is not None:
+                name = nccl_unless_gpus_are_shared(env, store, device,
+                                                   explicit=chosen.if_gpu_shared == "refuse")
+        _init(env, name, store, timeout)
+    return env, name, store
 
 
 def _release_users_of_the_group(failure: BaseException | None) -> None:

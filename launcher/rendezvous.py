@@ -35,11 +35,11 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from launcher import mpi_library, mpi_segments, network, shm
+from launcher.backends import rendezvous_over_mpi
 from launcher.env import JobEnv, planned_network
 from launcher.errors import LaunchError
 from launcher.peer_lost import HOST_KEY, first_line, quiet_c10d
 
-MPI_LAUNCHERS = frozenset({"openmpi", "mvapich", "pals", "hydra"})
 #: where the ranks of other nodes publish the address they reach the rendezvous host at
 SEEN_KEY = "ddp/network/rendezvous-seen-as"
 #: seconds of one attempt to reach rank 0's store; a store answers within milliseconds
@@ -82,7 +82,7 @@ def resolve_rendezvous(env: JobEnv) -> JobEnv:
             master_addr=env.master_addr or "127.0.0.1",
             master_port=env.master_port or free_port(),
         )
-    if env.launcher in MPI_LAUNCHERS:
+    if rendezvous_over_mpi(env):
         return _over_mpi(env)
     if env.master_addr is None or env.master_port is None:
         raise LaunchError(
@@ -93,8 +93,19 @@ def resolve_rendezvous(env: JobEnv) -> JobEnv:
     return env
 
 
+_world = None
+
+
 def start_mpi(env: JobEnv):
-    """``MPI.COMM_WORLD`` (``mpi_library.start``), after the checks that MPI cannot make."""
+    """``MPI.COMM_WORLD`` (``mpi_library.start``), after the checks that MPI cannot make;
+    once: a later call (the rendezvous after the backend plan started MPI) returns it."""
+    global _world
+    if _world is None:
+        _world = _start_mpi(env)
+    return _world
+
+
+def _start_mpi(env: JobEnv):
     choice = mpi_library.load(env)
     if choice.bundled_mpich:
         error = shm.too_small_for_mpi(env.local_world_size, shm.read_node_memory())
