@@ -11,6 +11,11 @@ Written only for the endings this package decides, atomically (``launcher.atomic
 every rank agreed on (75, 130, a user error raised everywhere) by rank 0 alone, a lost peer (3)
 by every survivor (any of them may be the lost one's only witness), a rank's failure (70, 2)
 by the ranks that report it. A rank that is killed writes nothing: the launcher's status stands.
+
+A lost peer's node names (as Slurm knows them) go to ``<run-dir>/lost-nodes``, one per line,
+written before ``exit-status`` so that a script that finds the status finds the names too: the
+batch script excludes those nodes from the requeued job. A survivor that could not name them
+(the rendezvous store went with the lost node) leaves another survivor's file alone.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from launcher.errors import (
 from launcher.preemption import Preempted
 
 FILE_NAME = "exit-status"
+LOST_NODES_FILE = "lost-nodes"
 
 
 @contextmanager
@@ -46,6 +52,11 @@ def recorded(run_dir: Path, rank: int) -> Iterator[None]:
             _write(run_dir, stopped.status, f"{what}, {stopped.checkpoint} saved")
         raise
     except PeerLost as lost:
+        # ``nodes``: which nodes the survivors found silent (empty when nobody could tell)
+        nodes = getattr(lost, "nodes", ())
+        if nodes:
+            with suppress(OSError):
+                write_atomic(run_dir / LOST_NODES_FILE, "".join(f"{n}\n" for n in nodes).encode())
         _write(run_dir, EXIT_PEER_LOST, lost.message)
         raise
     except LaunchError as error:
