@@ -26,17 +26,17 @@ from pathlib import Path
 #: added to ``--timeout-s`` for each stage: the rank's own errors for a stage that times out
 #: (the store's rendezvous) come first; the watchdog is for a rank that cannot say anything
 GRACE_S = 10.0
+_BOUND = "the bound is the job's timeout (--timeout-s; launcher.check --timeout) plus 10 s"
 #: what to look at when a stage does not finish
 HINTS = {
     "starting MPI": (
         "look at the other ranks' errors (one that failed first leaves the rest waiting in "
         "MPI_Init); a stale mpich_shm_* segment in /dev/shm from an aborted job, or a network "
         "the MPI cannot use, also stops it (the MPICH wheel: MPIR_CVAR_CH4_NETMOD=ofi "
-        "FI_PROVIDER=tcp); the bound is --timeout-s plus 10 s"),
+        "FI_PROVIDER=tcp); " + _BOUND),
     "the rendezvous": (
         "look at the other ranks' errors: a rank that did not arrive, a port taken, or a "
-        "host the others cannot reach (MASTER_ADDR, GLOO_SOCKET_IFNAME); the bound is "
-        "--timeout-s plus 10 s"),
+        "host the others cannot reach (MASTER_ADDR, GLOO_SOCKET_IFNAME); " + _BOUND),
 }
 
 
