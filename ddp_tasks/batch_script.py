@@ -1,19 +1,32 @@
 """The Slurm batch script ``invoke sbatch`` writes, as a pure function: the ``#SBATCH``
 directives, the srun line from ``ddp_tasks.commands``, and what the script does with the job's
-ending (tests/test_commands.py compares it with tests/golden/sbatch.sh).
+ending (tests/test_commands.py compares it with tests/golden/sbatch.sh; docs/launching.md
+explains the exit codes). The shell that decides is ``ddp_tasks.batch_endings``.
 """
 
 from __future__ import annotations
 
 import re
-import shlex
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from ddp_tasks.commands import Launch, launch_segments, render
+from ddp_tasks.batch_endings import (
+    EXIT_STATUS_FILE,
+    TRAIN_RUN_DIR,
+    plain_ending,
+    preflight_lines,
+    train_ending,
+    train_prologue,
+)
+from ddp_tasks.commands import launch_segments, render
+from ddp_tasks.launch_spec import Launch
 from launcher.env import parse_signal
-from launcher.errors import EXIT_PEER_LOST, EXIT_PREEMPTED, LaunchError
+from launcher.errors import LaunchError
+
+__all__ = ["EXIT_STATUS_FILE", "TRAIN_RUN_DIR", "Batch", "batch_script", "submit_argv"]
 
 _DIRECTIVE_UNSAFE = re.compile(r"[\s'\"\\]")
+#: the srun step's node count inside a range allocation: what the job was given this time
+_ALLOCATED_NODES = '"$SLURM_JOB_NUM_NODES"'
 
 
 @dataclass(frozen=True)
@@ -31,10 +44,45 @@ class Batch:
     directives: tuple[str, ...] = ()
     #: shell lines run before srun, e.g. "module load openmpi/4.1"
     setup: tuple[str, ...] = ()
+    #: requeues after a lost node (exit 3) or a preflight's slow nodes, per job; preemptions
+    #: (75) are not counted: they are the scheduler's doing and each one saved a checkpoint
+    max_restarts: int = 3
+    #: the most nodes the job may run on: ``--nodes=NODES-MAX_NODES``, so that a requeue
+    #: without a lost node can start on fewer; 0: exactly the launch's nodes
+    max_nodes: int = 0
+    #: run ``launcher.check --preflight`` on the allocation first; requeue without the nodes
+    #: it names
+    preflight: bool = False
 
 
 def batch_script(launch: Launch, batch: Batch) -> str:
-    """The sbatch script: srun the program, and requeue the job when it exits preempted."""
+    """The sbatch script: srun the program, requeue the job when it was preempted, and when a
+    node was lost requeue it without that node."""
+    _check(launch, batch)
+    header = "\n".join(f"#SBATCH {d}" for d in _directives(launch, batch))
+    setup = "".join(f"{line}\n" for line in batch.setup)
+    ranged = batch.max_nodes > launch.nodes
+    step = _step(launch, ranged)
+    if not _trains(launch):
+        body = f"{step}\nstatus=$?\n{plain_ending()}"
+    else:
+        run_dir = _flag_value(launch.args, "--run-dir") or TRAIN_RUN_DIR
+        preflight = ""
+        if batch.preflight:
+            check = replace(launch, module="launcher.check",
+                            args=("--preflight", "--slow-nodes", "__SLOW_NODES__"))
+            preflight = preflight_lines(_step(check, ranged).replace(
+                "__SLOW_NODES__", '"$run_dir/slow-nodes"'))
+        body = (train_prologue(run_dir, batch.max_restarts) + preflight
+                + f"{step}\nstatus=$?\n" + train_ending())
+    return f"""#!/bin/bash
+# Written by `invoke sbatch`; docs/launching.md explains each line.
+{header}
+
+{setup}{body}"""
+
+
+def _check(launch: Launch, batch: Batch) -> None:
     if launch.launcher != "srun":
         raise LaunchError("a batch script launches with srun", hint="build it with --launcher srun")
     if batch.signal_seconds < 1:
@@ -42,9 +90,24 @@ def batch_script(launch: Launch, batch: Batch) -> str:
             f"--signal-seconds {batch.signal_seconds} leaves no time to save a checkpoint",
             hint="pass --signal-seconds 60 or more: time to finish a step and write a checkpoint",
         )
+    if batch.max_restarts < 0:
+        raise LaunchError(f"--max-restarts {batch.max_restarts} is negative",
+                          hint="pass 0 (never requeue after a lost node) or more")
+    if batch.max_nodes and batch.max_nodes < launch.nodes:
+        raise LaunchError(f"--nodes {launch.nodes}-{batch.max_nodes}: the range is empty",
+                          hint=f"pass a maximum of {launch.nodes} or more, e.g. "
+                          f"--nodes {launch.nodes}-{launch.nodes + 1}")
+    if batch.preflight and not _trains(launch):
+        raise LaunchError(f"--preflight runs before launcher.train, not --module {launch.module}",
+                          hint="leave --preflight out, or run launcher.train")
+
+
+def _directives(launch: Launch, batch: Batch) -> list[str]:
+    nodes = (f"{launch.nodes}-{batch.max_nodes}" if batch.max_nodes > launch.nodes
+             else str(launch.nodes))
     directives = [
         f"--job-name={batch.job_name}",
-        f"--nodes={launch.nodes}",
+        f"--nodes={nodes}",
         f"--ntasks-per-node={launch.procs_per_node}",
     ]
     if launch.gpus_per_node:
@@ -70,49 +133,25 @@ def batch_script(launch: Launch, batch: Batch) -> str:
                 f"#SBATCH {directive!r}: sbatch reads directives without shell quoting",
                 hint="use a value without spaces, quotes or backslashes",
             )
-    header = "\n".join(f"#SBATCH {d}" for d in directives)
-    setup = "".join(f"{line}\n" for line in batch.setup)
-    return f"""#!/bin/bash
-# Written by `invoke sbatch`; docs/launching.md explains each line.
-{header}
-
-{setup}{_status_file_lines(launch, render(launch_segments(launch)))}
-# {EXIT_PREEMPTED}: the ranks caught the signal and saved a checkpoint. Requeue: the next run
-# resumes from it. Exit with scontrol's status, so the job counts as failed only when the
-# requeue itself failed.
-if [ "$status" -eq {EXIT_PREEMPTED} ]; then
-    echo "job $SLURM_JOB_ID preempted (exit {EXIT_PREEMPTED}): requeueing" >&2
-    scontrol requeue "$SLURM_JOB_ID"
-    exit $?
-fi
-# {EXIT_PEER_LOST}, a peer was lost: passed on, since requeueing without the lost node is
-# not done yet; every other status is passed on too.
-exit "$status"
-"""
+    return directives
 
 
-#: launcher.train's --run-dir default and the file launcher.exit_status writes there
-TRAIN_RUN_DIR = "runs/train"
-EXIT_STATUS_FILE = "exit-status"
+def _step(launch: Launch, ranged: bool) -> str:
+    """The srun line; in a range allocation it spans the nodes this attempt was given."""
+    line = render(launch_segments(launch))
+    if not ranged:
+        return line
+    fixed = f"srun --nodes {launch.nodes} "
+    if line.count(fixed) != 1:  # a launcher that no longer starts this way: fail loudly
+        raise LaunchError(f"cannot find {fixed.strip()!r} in the step to span a node range",
+                          hint="leave the node range out (a fixed --nodes)")
+    return line.replace(fixed, f"srun --nodes {_ALLOCATED_NODES} ")
 
 
-def _status_file_lines(launch: Launch, step: str) -> str:
-    """The step and ``status``: its own, or for launcher.train, when not 0, the one the ranks
-    wrote to the run directory (torchrun exits 1 and srun 128 + N whatever the ranks knew)."""
-    if launch.module != "launcher.train":
-        return f"{step}\nstatus=$?"
-    path = shlex.quote(f"{_flag_value(launch.args, '--run-dir') or TRAIN_RUN_DIR}/"
-                       f"{EXIT_STATUS_FILE}")
-    return f"""status_file={path}
-rm -f "$status_file"  # a previous attempt's ending must not decide this one
-{step}
-status=$?
-# A rank that knows how the job ended wrote it to the run directory: it decides, since
-# torchrun exits 1 and srun 128 + N (a rank a signal ended) whatever the ranks knew.
-if [ "$status" -ne 0 ] && [ -s "$status_file" ]; then
-    read -r status reason < "$status_file"
-    echo "job $SLURM_JOB_ID: the ranks report exit $status: $reason" >&2
-fi"""
+def _trains(launch: Launch) -> bool:
+    """Whether the step runs launcher.train: itself, or under torchrun (``-m launcher.train``),
+    the ranks then write how the job ended to the run directory."""
+    return launch.module == "launcher.train" or "launcher.train" in launch.args
 
 
 def _flag_value(args: tuple[str, ...], flag: str) -> str | None:

@@ -13,8 +13,49 @@
 #SBATCH --open-mode=append
 #SBATCH --output=%x-%j.out
 
+run_dir=runs/train
 status_file=runs/train/exit-status
-rm -f "$status_file"  # a previous attempt's ending must not decide this one
+lost_file=runs/train/lost-nodes
+attempts_log=runs/train/attempts.log
+# requeues after a lost or slow node, per job (preemptions are not counted)
+max_restarts=3
+rm -f "$status_file" "$lost_file"  # a previous attempt's ending must not decide this one
+
+# One line per attempt in the run directory: when, which job and attempt, where, what.
+log_attempt() {
+    mkdir -p "$run_dir" && echo "$(date -u +%FT%TZ) job $SLURM_JOB_ID" \
+        "attempt $((SLURM_RESTART_COUNT + 1)) on $SLURM_JOB_NODELIST: $*" >> "$attempts_log"
+}
+
+# Requeue this job: the next attempt resumes from the last checkpoint. scontrol requeue ends
+# this script with SIGTERM (SIGKILL after KillWait): ignored, so the lines after it still run.
+requeue() {
+    trap '' TERM
+    scontrol requeue "$SLURM_JOB_ID"
+}
+
+# Requeue without the nodes $1 (comma-separated; none when empty) because of $2: exits the
+# script, or returns 1 when this job used all its restarts (counted in the attempt log, so a
+# log that cannot be written means no requeue).
+requeue_without() {
+    local restarts excluded
+    restarts=$(grep -c "^[^ ]* job $SLURM_JOB_ID .*: restart [0-9]* of " "$attempts_log" \
+        2> /dev/null)
+    if [ "${restarts:-0}" -ge "$max_restarts" ]; then
+        log_attempt "$2; all $max_restarts restarts used"
+        return 1
+    fi
+    log_attempt "$2: restart $((restarts + 1)) of $max_restarts${1:+ without $1}" || return 1
+    echo "job $SLURM_JOB_ID: $2: requeueing${1:+ without $1}" >&2
+    [ -z "$1" ] || excluded=$(scontrol show job "$SLURM_JOB_ID" | grep -o 'ExcNodeList=[^ ]*')
+    excluded=${excluded#ExcNodeList=}
+    [ "$excluded" != "(null)" ] || excluded=
+    requeue || exit
+    # only a pending job takes a new ExcNodeList: after the requeue, before it starts again
+    [ -z "$1" ] || scontrol update JobId="$SLURM_JOB_ID" ExcNodeList="${excluded:+$excluded,}$1"
+    exit
+}
+
 srun --nodes 2 --ntasks-per-node 4 --gpus-per-node 4 --cpus-per-task 8 --mpi=pmi2 --kill-on-bad-exit=0 --wait=60 \
     --export=ALL,APPTAINERENV_PYTHONUNBUFFERED=1,APPTAINERENV_OMP_NUM_THREADS=8,APPTAINERENV_DDP_PREEMPT_SIGNAL=USR2,APPTAINER_SHARENS=true \
     apptainer exec --nv --bind /scratch ddp-cpu.sif \
@@ -26,14 +67,21 @@ if [ "$status" -ne 0 ] && [ -s "$status_file" ]; then
     read -r status reason < "$status_file"
     echo "job $SLURM_JOB_ID: the ranks report exit $status: $reason" >&2
 fi
-# 75: the ranks caught the signal and saved a checkpoint. Requeue: the next run
-# resumes from it. Exit with scontrol's status, so the job counts as failed only when the
-# requeue itself failed.
-if [ "$status" -eq 75 ]; then
-    echo "job $SLURM_JOB_ID preempted (exit 75): requeueing" >&2
-    scontrol requeue "$SLURM_JOB_ID"
-    exit $?
-fi
-# 3, a peer was lost: passed on, since requeueing without the lost node is
-# not done yet; every other status is passed on too.
+case $status in
+    75)
+        # the ranks caught the signal and saved a checkpoint: requeue, the next run resumes
+        # from it. Exit with scontrol's status: the job fails only when the requeue failed.
+        log_attempt "exit 75 (preempted): requeue"
+        echo "job $SLURM_JOB_ID preempted (exit 75): requeueing" >&2
+        requeue
+        exit $?
+        ;;
+    3)
+        # a peer was lost: requeue without the nodes the survivors named (none named: with
+        # the same nodes excluded as before); once the restarts are used up, pass it on
+        lost=$(paste -sd, "$lost_file" 2> /dev/null)
+        requeue_without "$lost" "exit 3, lost ${lost:-a node nobody named}"
+        ;;
+esac
+log_attempt "exit $status: passed on"
 exit "$status"

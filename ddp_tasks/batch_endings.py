@@ -1,0 +1,135 @@
+"""The shell of the batch script that decides what a job's ending means (docs/launching.md,
+"Exit codes"): requeue when preempted (75), requeue without the lost nodes when a peer was
+lost (3), at most ``max_restarts`` times, and pass every other status on.
+
+The ranks of launcher.train (also under torchrun) write ``exit-status`` and ``lost-nodes`` to
+the run directory (``launcher.exit_status``); the script logs each attempt to
+``attempts.log`` there, which also counts the restarts.
+"""
+
+from __future__ import annotations
+
+import shlex
+
+from launcher.errors import EXIT_PEER_LOST, EXIT_PREEMPTED
+from launcher.exit_status import FILE_NAME, LOST_NODES_FILE
+
+#: launcher.train's --run-dir default and the file launcher.exit_status writes there
+TRAIN_RUN_DIR = "runs/train"
+EXIT_STATUS_FILE = FILE_NAME
+ATTEMPTS_LOG = "attempts.log"
+
+_REQUEUE = """\
+# Requeue this job: the next attempt resumes from the last checkpoint. scontrol requeue ends
+# this script with SIGTERM (SIGKILL after KillWait): ignored, so the lines after it still run.
+requeue() {
+    trap '' TERM
+    scontrol requeue "$SLURM_JOB_ID"
+}
+"""
+
+
+def plain_ending() -> str:
+    """For a program that writes no status file: 75 requeues, every other status passes on."""
+    return f"""\
+{_REQUEUE}
+# {EXIT_PREEMPTED}: the ranks caught the signal and saved a checkpoint. Requeue: the next run
+# resumes from it. Exit with scontrol's status, so the job counts as failed only when the
+# requeue itself failed. Every other status is passed on.
+if [ "$status" -eq {EXIT_PREEMPTED} ]; then
+    echo "job $SLURM_JOB_ID preempted (exit {EXIT_PREEMPTED}): requeueing" >&2
+    requeue
+    exit $?
+fi
+exit "$status"
+"""
+
+
+def train_prologue(run_dir: str, max_restarts: int) -> str:
+    """The run directory's files, the attempt log and the requeue functions."""
+    files = "\n".join(f"{name}={shlex.quote(f'{run_dir}/{file}')}" for name, file in (
+        ("status_file", FILE_NAME), ("lost_file", LOST_NODES_FILE),
+        ("attempts_log", ATTEMPTS_LOG)))
+    return f"""run_dir={shlex.quote(run_dir)}
+{files}
+# requeues after a lost or slow node, per job (preemptions are not counted)
+max_restarts={max_restarts}
+rm -f "$status_file" "$lost_file"  # a previous attempt's ending must not decide this one
+
+# One line per attempt in the run directory: when, which job and attempt, where, what.
+log_attempt() {{
+    mkdir -p "$run_dir" && echo "$(date -u +%FT%TZ) job $SLURM_JOB_ID" \\
+        "attempt $((SLURM_RESTART_COUNT + 1)) on $SLURM_JOB_NODELIST: $*" >> "$attempts_log"
+}}
+
+{_REQUEUE}
+# Requeue without the nodes $1 (comma-separated; none when empty) because of $2: exits the
+# script, or returns 1 when this job used all its restarts (counted in the attempt log, so a
+# log that cannot be written means no requeue).
+requeue_without() {{
+    local restarts excluded
+    restarts=$(grep -c "^[^ ]* job $SLURM_JOB_ID .*: restart [0-9]* of " "$attempts_log" \\
+        2> /dev/null)
+    if [ "${{restarts:-0}}" -ge "$max_restarts" ]; then
+        log_attempt "$2; all $max_restarts restarts used"
+        return 1
+    fi
+    log_attempt "$2: restart $((restarts + 1)) of $max_restarts${{1:+ without $1}}" || return 1
+    echo "job $SLURM_JOB_ID: $2: requeueing${{1:+ without $1}}" >&2
+    [ -z "$1" ] || excluded=$(scontrol show job "$SLURM_JOB_ID" | grep -o 'ExcNodeList=[^ ]*')
+    excluded=${{excluded#ExcNodeList=}}
+    [ "$excluded" != "(null)" ] || excluded=
+    requeue || exit
+    # only a pending job takes a new ExcNodeList: after the requeue, before it starts again
+    [ -z "$1" ] || scontrol update JobId="$SLURM_JOB_ID" ExcNodeList="${{excluded:+$excluded,}}$1"
+    exit
+}}
+
+"""
+
+
+def preflight_lines(check: str) -> str:
+    """Run the preflight ``check``; requeue without the nodes it names."""
+    return f"""\
+# Preflight: launcher.check measures every node and names the slow ones (none: empty file).
+rm -f "$run_dir/slow-nodes"
+{check} || {{
+    status=$?
+    log_attempt "preflight failed: exit $status: passed on"
+    exit "$status"
+}}
+if [ -s "$run_dir/slow-nodes" ]; then
+    requeue_without "$(paste -sd, "$run_dir/slow-nodes")" "preflight named slow nodes" ||
+        log_attempt "training on them anyway"
+fi
+"""
+
+
+def train_ending() -> str:
+    """What the script does with the step's ``status``."""
+    return f"""\
+# A rank that knows how the job ended wrote it to the run directory: it decides, since
+# torchrun exits 1 and srun 128 + N (a rank a signal ended) whatever the ranks knew.
+if [ "$status" -ne 0 ] && [ -s "$status_file" ]; then
+    read -r status reason < "$status_file"
+    echo "job $SLURM_JOB_ID: the ranks report exit $status: $reason" >&2
+fi
+case $status in
+    {EXIT_PREEMPTED})
+        # the ranks caught the signal and saved a checkpoint: requeue, the next run resumes
+        # from it. Exit with scontrol's status: the job fails only when the requeue failed.
+        log_attempt "exit {EXIT_PREEMPTED} (preempted): requeue"
+        echo "job $SLURM_JOB_ID preempted (exit {EXIT_PREEMPTED}): requeueing" >&2
+        requeue
+        exit $?
+        ;;
+    {EXIT_PEER_LOST})
+        # a peer was lost: requeue without the nodes the survivors named (none named: with
+        # the same nodes excluded as before); once the restarts are used up, pass it on
+        lost=$(paste -sd, "$lost_file" 2> /dev/null)
+        requeue_without "$lost" "exit {EXIT_PEER_LOST}, lost ${{lost:-a node nobody named}}"
+        ;;
+esac
+log_attempt "exit $status: passed on"
+exit "$status"
+"""

@@ -1,0 +1,97 @@
+#!/bin/bash
+# Written by `invoke sbatch`; docs/launching.md explains each line.
+#SBATCH --job-name=ddp
+#SBATCH --nodes=2-3
+#SBATCH --ntasks-per-node=2
+#SBATCH --time=01:00:00
+#SBATCH --signal=USR1@60
+#SBATCH --requeue
+#SBATCH --open-mode=append
+#SBATCH --output=%x-%j.out
+
+run_dir=runs/train
+status_file=runs/train/exit-status
+lost_file=runs/train/lost-nodes
+attempts_log=runs/train/attempts.log
+# requeues after a lost or slow node, per job (preemptions are not counted)
+max_restarts=3
+rm -f "$status_file" "$lost_file"  # a previous attempt's ending must not decide this one
+
+# One line per attempt in the run directory: when, which job and attempt, where, what.
+log_attempt() {
+    mkdir -p "$run_dir" && echo "$(date -u +%FT%TZ) job $SLURM_JOB_ID" \
+        "attempt $((SLURM_RESTART_COUNT + 1)) on $SLURM_JOB_NODELIST: $*" >> "$attempts_log"
+}
+
+# Requeue this job: the next attempt resumes from the last checkpoint. scontrol requeue ends
+# this script with SIGTERM (SIGKILL after KillWait): ignored, so the lines after it still run.
+requeue() {
+    trap '' TERM
+    scontrol requeue "$SLURM_JOB_ID"
+}
+
+# Requeue without the nodes $1 (comma-separated; none when empty) because of $2: exits the
+# script, or returns 1 when this job used all its restarts (counted in the attempt log, so a
+# log that cannot be written means no requeue).
+requeue_without() {
+    local restarts excluded
+    restarts=$(grep -c "^[^ ]* job $SLURM_JOB_ID .*: restart [0-9]* of " "$attempts_log" \
+        2> /dev/null)
+    if [ "${restarts:-0}" -ge "$max_restarts" ]; then
+        log_attempt "$2; all $max_restarts restarts used"
+        return 1
+    fi
+    log_attempt "$2: restart $((restarts + 1)) of $max_restarts${1:+ without $1}" || return 1
+    echo "job $SLURM_JOB_ID: $2: requeueing${1:+ without $1}" >&2
+    [ -z "$1" ] || excluded=$(scontrol show job "$SLURM_JOB_ID" | grep -o 'ExcNodeList=[^ ]*')
+    excluded=${excluded#ExcNodeList=}
+    [ "$excluded" != "(null)" ] || excluded=
+    requeue || exit
+    # only a pending job takes a new ExcNodeList: after the requeue, before it starts again
+    [ -z "$1" ] || scontrol update JobId="$SLURM_JOB_ID" ExcNodeList="${excluded:+$excluded,}$1"
+    exit
+}
+
+# Preflight: launcher.check measures every node and names the slow ones (none: empty file).
+rm -f "$run_dir/slow-nodes"
+srun --nodes "$SLURM_JOB_NUM_NODES" --ntasks-per-node 2 --mpi=pmi2 --kill-on-bad-exit=0 --wait=60 \
+    --export=ALL,APPTAINER_SHARENS=true \
+    apptainer exec ddp-cpu.sif \
+    python -m launcher.check --preflight --slow-nodes "$run_dir/slow-nodes" || {
+    status=$?
+    log_attempt "preflight failed: exit $status: passed on"
+    exit "$status"
+}
+if [ -s "$run_dir/slow-nodes" ]; then
+    requeue_without "$(paste -sd, "$run_dir/slow-nodes")" "preflight named slow nodes" ||
+        log_attempt "training on them anyway"
+fi
+srun --nodes "$SLURM_JOB_NUM_NODES" --ntasks-per-node 2 --mpi=pmi2 --kill-on-bad-exit=0 --wait=60 \
+    --export=ALL,APPTAINER_SHARENS=true \
+    apptainer exec ddp-cpu.sif \
+    python -m launcher.train --epochs 3 --resume auto
+status=$?
+# A rank that knows how the job ended wrote it to the run directory: it decides, since
+# torchrun exits 1 and srun 128 + N (a rank a signal ended) whatever the ranks knew.
+if [ "$status" -ne 0 ] && [ -s "$status_file" ]; then
+    read -r status reason < "$status_file"
+    echo "job $SLURM_JOB_ID: the ranks report exit $status: $reason" >&2
+fi
+case $status in
+    75)
+        # the ranks caught the signal and saved a checkpoint: requeue, the next run resumes
+        # from it. Exit with scontrol's status: the job fails only when the requeue failed.
+        log_attempt "exit 75 (preempted): requeue"
+        echo "job $SLURM_JOB_ID preempted (exit 75): requeueing" >&2
+        requeue
+        exit $?
+        ;;
+    3)
+        # a peer was lost: requeue without the nodes the survivors named (none named: with
+        # the same nodes excluded as before); once the restarts are used up, pass it on
+        lost=$(paste -sd, "$lost_file" 2> /dev/null)
+        requeue_without "$lost" "exit 3, lost ${lost:-a node nobody named}"
+        ;;
+esac
+log_attempt "exit $status: passed on"
+exit "$status"
