@@ -1,0 +1,195 @@
+"""A job that heals itself, for real: the batch script of ``invoke sbatch`` on a 3-node Slurm.
+
+On the cluster of ``tests.fixtures.slurm`` (``slurm_cluster3``): a 2-node job loses a node (its
+ranks killed mid-run), requeues by itself without that node and completes; with its restarts
+used up it passes the 3 on; a torchrun step that is preempted requeues through the same script.
+The script is ``batch_script(Launch, Batch)`` written to a file, as ``invoke sbatch`` writes it;
+its decisions with stubbed srun and scontrol are in tests/test_batch_endings.py.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ddp_tasks.batch_script import Batch, batch_script
+from ddp_tasks.launch_spec import Launch
+from tests.fixtures.mpi import REPO_ROOT, json_objects
+from tests.test_batch_endings import attempts
+
+#: small and quick, and still >= 0.95 test accuracy (epoch 3 reaches ~0.97); checkpoints
+#: every 10 steps, so the requeued attempt resumes mid-run
+TRAIN_FLAGS = ("--epochs", "4", "--checkpoint-every", "10", "--resume", "auto",
+               "--timeout-s", "30")
+#: first attempt, requeue hold (cred_expire=30 + 1 s) and the second attempt
+JOB_TIMEOUT = 420
+
+
+@pytest.fixture
+def shm_unchanged():
+    """Nothing the test's jobs leave behind in /dev/shm (MPICH's segments of killed ranks).
+    A new entry some live process still maps is another test's, running beside this one."""
+    before = set(os.listdir("/dev/shm"))
+    yield
+    left = set(os.listdir("/dev/shm")) - before - _mapped_shm()
+    assert not left, f"left in /dev/shm: {sorted(left)}"
+
+
+def _mapped_shm() -> set[str]:
+    names = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            text = maps.read_text()
+        except OSError:
+            continue
+        names.update(re.findall(r" /dev/shm/(\S+)", text))
+    return names
+
+
+def _submit(cluster, tmp_path: Path, launch: Launch, batch: Batch) -> int:
+    script = tmp_path / "job.sbatch"
+    script.write_text(batch_script(launch, batch))
+    lint = subprocess.run(["shellcheck", "-s", "bash", str(script)], capture_output=True,
+                          text=True)
+    assert lint.returncode == 0, lint.stdout
+    # `python` in the step is the venv's, as it would be the image's
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
+    return cluster.sbatch(script, cwd=tmp_path, env={"PATH": path, "PYTHONPATH": str(REPO_ROOT)})
+
+
+def _train_args(tmp_path: Path, *extra: str) -> tuple[str, ...]:
+    return ("--run-dir", str(tmp_path / "run"), "--data-dir", str(tmp_path / "data"),
+            *TRAIN_FLAGS, *extra)
+
+
+def _wait_for_step(run_dir: Path, step: int, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    path = run_dir / "metrics.jsonl"
+    while time.monotonic() < deadline:
+        if path.exists() and any(r.get("step", 0) >= step for r in json_objects(path.read_text())):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"training never reached step {step}")
+
+
+def _rank_pids(job_id: int, wanted: bytes) -> list[int]:
+    """The launcher.train ranks of ``job_id`` whose environment holds the line ``wanted``."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            environ = (entry / "environ").read_bytes().split(b"\0")
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if (f"SLURM_JOB_ID={job_id}".encode() in environ and wanted in environ
+                and b"launcher.train" in argv and b"torch.distributed.run" not in argv):
+            pids.append(int(entry.name))
+    return pids
+
+
+def _assert_completed(cluster, job_id: int, tmp_path: Path) -> str:
+    result = cluster.wait_job(job_id, timeout=JOB_TIMEOUT)
+    output = next(tmp_path.glob("job-*.out")).read_text()
+    assert (result.state, result.exit_code) == ("COMPLETED", "0:0"), output
+    evals = [r for r in json_objects((tmp_path / "run" / "metrics.jsonl").read_text())
+             if r.get("event") == "eval"]
+    assert evals[-1]["test_accuracy"] >= 0.95, evals[-1]
+    assert re.search(r"^epoch 3 step \d+: test_loss \S+ test_accuracy 0\.9[5-9]", output,
+                     re.M), output
+    hashes = re.findall(r"^param-sha256 rank=(\d+) ([0-9a-f]{64})$", output, re.M)
+    final = dict(hashes[-2:])  # the last attempt's two ranks
+    assert sorted(final) == ["0", "1"] and len(set(final.values())) == 1, output
+    return output
+
+
+@pytest.mark.slurm
+@pytest.mark.parametrize("backend", ["auto", "gloo"])
+def test_lost_node_is_left_out_of_the_requeued_job(slurm_cluster3, tmp_path, shm_unchanged,
+                                                    backend):
+    """--nodes 2-3: kill every rank on the second node mid-run; the job requeues by itself,
+    never lands on that node again, and finishes with equal hashes. ``auto`` is MPI under
+    srun --mpi=pmi2 on CPU."""
+    launch = Launch(nodes=2, procs_per_node=1, launcher="srun", runtime="none",
+                    args=_train_args(tmp_path, "--backend", backend))
+    batch = Batch(job_name="lost", time="00:10:00", output=str(tmp_path / "job-%j.out"),
+                  max_nodes=3, max_restarts=2)
+    job_id = _submit(slurm_cluster3, tmp_path, launch, batch)
+    _wait_for_step(tmp_path / "run", 12)
+    first_nodes = slurm_cluster3.job_fields(job_id)["NodeList"]
+    victim = _kill_node_1(job_id)
+    output = _assert_completed(slurm_cluster3, job_id, tmp_path)
+    logged = attempts(tmp_path / "run")
+    assert len(logged) == 2, logged
+    (nodes_1, ending_1), (nodes_2, ending_2) = logged
+    assert nodes_1 == first_nodes
+    assert ending_1.startswith(f"exit 3, lost {victim}: restart 1 of 2 without {victim}"), (
+        logged)
+    assert ending_2 == "exit 0: passed on"
+    later = slurm_cluster3.scontrol(["show", "hostnames", nodes_2]).split()
+    assert victim not in later and len(later) == 2, (nodes_2, output)
+    assert slurm_cluster3.job_fields(job_id)["ExcNodeList"] == victim
+    assert "resuming from" in output, output
+
+
+def _kill_node_1(job_id: int) -> str:
+    """SIGKILL every rank of the job's second node; that node's name."""
+    victims = _rank_pids(job_id, b"SLURM_NODEID=1")
+    assert victims, "no rank on the job's second node"
+    names = {_environ_value(pid, b"SLURMD_NODENAME") for pid in victims}
+    for pid in victims:
+        os.kill(pid, signal.SIGKILL)
+    (name,) = names
+    return name
+
+
+def _environ_value(pid: int, name: bytes) -> str:
+    for item in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+        if item.startswith(name + b"="):
+            return item.split(b"=", 1)[1].decode()
+    raise AssertionError(f"process {pid} has no {name.decode()}")
+
+
+@pytest.mark.slurm
+def test_used_up_restarts_pass_the_status_on(slurm_cluster3, tmp_path, shm_unchanged):
+    """max_restarts=0: the lost node is logged, and the job fails with the ranks' 3."""
+    launch = Launch(nodes=2, procs_per_node=1, launcher="srun", runtime="none",
+                    args=_train_args(tmp_path, "--backend", "gloo"))
+    batch = Batch(job_name="used-up", time="00:10:00", output=str(tmp_path / "job-%j.out"),
+                  max_restarts=0)
+    job_id = _submit(slurm_cluster3, tmp_path, launch, batch)
+    _wait_for_step(tmp_path / "run", 5)
+    victim = _kill_node_1(job_id)
+    result = slurm_cluster3.wait_job(job_id, timeout=120)
+    output = next(tmp_path.glob("job-*.out")).read_text()
+    assert (result.state, result.exit_code) == ("FAILED", "3:0"), output
+    assert [ending for _, ending in attempts(tmp_path / "run")] == [
+        f"exit 3, lost {victim}; all 0 restarts used", "exit 3: passed on"]
+    assert slurm_cluster3.job_fields(job_id)["Restarts"] == "0"
+
+
+@pytest.mark.slurm
+def test_torchrun_preemption_requeues_through_the_script(slurm_cluster3, tmp_path,
+                                                         shm_unchanged):
+    """torchrun exits 1 after a preemption; the status file's 75 requeues the job, which
+    resumes from the saved checkpoint and completes."""
+    launch = Launch(nodes=1, procs_per_node=1, launcher="srun", runtime="none",
+                    module="torch.distributed.run",
+                    args=("--standalone", "--nproc-per-node", "2", "-m", "launcher.train",
+                          *_train_args(tmp_path, "--backend", "gloo")))
+    batch = Batch(job_name="torchrun", time="00:10:00", output=str(tmp_path / "job-%j.out"))
+    job_id = _submit(slurm_cluster3, tmp_path, launch, batch)
+    _wait_for_step(tmp_path / "run", 12)
+    (rank_1,) = _rank_pids(job_id, b"RANK=1")
+    os.kill(rank_1, signal.SIGUSR1)
+    output = _assert_completed(slurm_cluster3, job_id, tmp_path)
+    assert [ending for _, ending in attempts(tmp_path / "run")] == [
+        "exit 75 (preempted): requeue", "exit 0: passed on"]
+    assert f"job {job_id}: the ranks report exit 75: preempted" in output
+    assert "resuming from" in output
