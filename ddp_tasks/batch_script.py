@@ -22,7 +22,8 @@ from ddp_tasks.launch_spec import Launch
 from launcher.env import parse_signal
 from launcher.errors import LaunchError
 
-__all__ = ["EXIT_STATUS_FILE", "TRAIN_RUN_DIR", "Batch", "batch_script", "submit_argv"]
+__all__ = ["EXIT_STATUS_FILE", "TRAIN_RUN_DIR", "Batch", "batch_script", "node_range",
+           "submit_argv"]
 
 _DIRECTIVE_UNSAFE = re.compile(r"[\s'\"\\]")
 #: the srun step's node count inside a range allocation: what the job was given this time
@@ -80,6 +81,16 @@ def batch_script(launch: Launch, batch: Batch) -> str:
 {header}
 
 {setup}{body}"""
+
+
+def node_range(text: str) -> tuple[int, int]:
+    """``--nodes`` of ``invoke sbatch``: ``"2"`` is ``(2, 0)``, ``"2-3"`` is ``(2, 3)``: the
+    launch's nodes and ``Batch.max_nodes``."""
+    match = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", str(text))
+    if not match:
+        raise LaunchError(f"--nodes {text!r} is neither a count nor a range",
+                          hint="pass a count (--nodes 2) or a range (--nodes 2-3)")
+    return int(match[1]), int(match[2] or 0)
 
 
 def _check(launch: Launch, batch: Batch) -> None:

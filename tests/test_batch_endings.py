@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from ddp_tasks.batch_script import Batch, batch_script
+from ddp_tasks.batch_script import Batch, batch_script, node_range
 from ddp_tasks.launch_spec import Launch
 from launcher.errors import LaunchError
 from tests.fixtures.golden import GOLDEN, golden
@@ -209,3 +209,14 @@ def test_bad_settings_are_refused(batch, message):
 def test_preflight_needs_launcher_train():
     with pytest.raises(LaunchError, match="--preflight runs before launcher.train"):
         batch_script(Launch(launcher="srun", module="mine"), Batch(preflight=True))
+
+
+@pytest.mark.parametrize(("text", "expected"), [("2", (2, 0)), ("2-3", (2, 3)), (" 4 - 8", (4, 8))])
+def test_node_range(text, expected):
+    assert node_range(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "2-", "two", "2-3-4"])
+def test_node_range_refuses_what_it_cannot_read(text):
+    with pytest.raises(LaunchError, match="is neither a count nor a range"):
+        node_range(text)
