@@ -54,14 +54,17 @@ class Guard:
         """The start-up is over (or its failure is reported by the rank): stop watching."""
         self._send("done\n")
         if self._process is not None:
-            self._process.stdin.close()
+            with suppress(BrokenPipeError):
+                self._process.stdin.close()
             self._process.wait()
             self._process = None
 
     def _send(self, line: str) -> None:
         if self._process is not None:
-            self._process.stdin.write(line.encode())
-            self._process.stdin.flush()
+            # a watchdog ended from outside (SIGTERM to the step) no longer guards: carry on
+            with suppress(BrokenPipeError):
+                self._process.stdin.write(line.encode())
+                self._process.stdin.flush()
 
 
 @contextmanager
@@ -131,4 +134,8 @@ def _unlink_segments(parent: int) -> None:
 
 
 if __name__ == "__main__":
+    # Ctrl-C and the preemption signals reach the whole process group: they are the rank's to
+    # handle (the rank's end then ends this loop), not a reason for a traceback here
+    for name in ("SIGINT", "SIGUSR1", "SIGUSR2", "SIGHUP"):
+        signal.signal(getattr(signal, name), signal.SIG_IGN)
     sys.exit(watch(int(sys.argv[1]), float(sys.argv[2]), sys.argv[3], sys.stdin.fileno()))

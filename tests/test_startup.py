@@ -163,7 +163,7 @@ def test_the_venv_under_pmix_gives_one_clear_error_on_every_rank(slurm_cluster):
     for rank in (0, 1):
         assert f"[rank {rank}] error: slurm offers PMIx, which the MPICH at" in result.stderr
         assert f"[rank {rank}] HINT: launch with srun --mpi=pmi2" in result.stderr
-    assert "unsupported PMI version" not in result.stderr.replace("'unsupported PMI", "")
+    assert "MPIR_Init_thread" not in result.stderr, result.stderr  # MPICH's own stack
     assert "Traceback" not in result.stderr, result.stderr
     left.check()
 
@@ -190,8 +190,7 @@ def test_gloo_under_srun_pmi2_never_loads_mpi(slurm_cluster):
 
 def test_gloo_under_mpiexec_starts_mpi_for_the_rendezvous_only():
     """Hydra gives no address: the ranks agree on one over MPI, then run gloo."""
-    result = run_mpi(2, ["-c", GLOO_JOB], timeout=240,
-                     env={"MPI4PY_LIBMPI": "", "PYTHONPATH": str(REPO_ROOT)})
+    result = run_mpi(2, ["-c", GLOO_JOB], timeout=240)
     assert result.returncode == 0, result.output
     records = json_objects(result.stdout)
     assert {(r["backend"], r["mpi4py"]) for r in records} == {("gloo", True)}, result.output
