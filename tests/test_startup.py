@@ -7,14 +7,13 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 
 import pytest
 
-from launcher import mpi_segments
 from launcher.startup_guard import GRACE_S
 from tests.fixtures.host_mpi import OPENMPI_ROOT_ENV
+from tests.fixtures.left_behind import LeftBehind
 from tests.fixtures.mpi import REPO_ROOT, clean_environ, json_objects, mpiexec_path, run_mpi
 from tests.fixtures.rank_exits import RANK_VARIABLE, RECORD, rank_exits
 
@@ -24,7 +23,6 @@ TIMEOUT_S = 10
 BOUND_S = TIMEOUT_S + GRACE_S
 #: what a rank may take beyond the bound: the watchdog's own start, the kill, the exit
 SLACK_S = 5
-SHM = Path("/dev/shm")
 #: rank 1 stops before MPI_Init (as a rank whose node is slow or stuck); rank 0 then waits
 #: inside MPI_Init, where no Python code of its own runs
 RANK1_NEVER_STARTS = 'if [ "' + RANK_VARIABLE + '" = 1 ]; then exec sleep 600; fi; exec "$@"'
@@ -32,53 +30,6 @@ RANK1_NEVER_STARTS = 'if [ "' + RANK_VARIABLE + '" = 1 ]; then exec sleep 600; f
 #: waits inside MPI_Init, the case of a stale segment or a UCX address error
 RANK1_FAILS_IN_MPI_INIT = ('if [ "' + RANK_VARIABLE + '" = 1 ]; then export '
                            'MPIR_CVAR_CH4_NETMOD=no-such-netmod; fi; exec "$@"')
-
-
-def _segments() -> set[str]:
-    return {path.name for path in SHM.glob("mpich_shm_*")}
-
-
-def _mapped_by_anyone() -> set[str]:
-    """Segments some live process maps: a job running beside this test (other tests, other
-    users) holds its own until every rank has mapped it; a segment left behind, nobody."""
-    names = set()
-    for maps in Path("/proc").glob("[0-9]*/maps"):
-        try:
-            text = maps.read_text()
-        except OSError:
-            continue
-        names |= {Path(path).name for path in mpi_segments.mapped(text)}
-    return names
-
-
-def _processes_marked(mark: str) -> list[str]:
-    """Processes whose environment carries ``DDP_TEST_MARK=mark``: the job's, wherever
-    they were reparented."""
-    needle = f"DDP_TEST_MARK={mark}".encode()
-    found = []
-    for proc in Path("/proc").iterdir():
-        try:
-            if proc.name.isdigit() and needle in (proc / "environ").read_bytes().split(b"\0"):
-                found.append(f"{proc.name}: {(proc / 'cmdline').read_bytes()!r}")
-        except OSError:
-            continue  # ended meanwhile, or not ours to read
-    return found
-
-
-class LeftBehind:
-    """What a job leaves: its processes (by a mark in their environment) and new segments."""
-
-    def __init__(self) -> None:
-        self.mark = uuid.uuid4().hex
-        self.before = _segments()
-
-    def check(self) -> None:
-        deadline = time.monotonic() + 10  # a rank killed a moment ago may still be reaped
-        while (alive := _processes_marked(self.mark)) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not alive, f"processes of the job left: {alive}"
-        left = _segments() - self.before - _mapped_by_anyone()
-        assert not left, f"MPICH segments left in /dev/shm: {left}"
 
 
 def _check_argv(inject: str) -> list[str]:
