@@ -1,6 +1,6 @@
 """all_reduce and point-to-point latency: the mpi4py backend vs gloo vs raw mpi4py, one run.
 
-    .venv/bin/mpiexec -n 2 .venv/bin/python benchmarks/allreduce.py \
+    .venv/bin/mpiexec -n 2 .venv/bin/python -m benchmarks.allreduce \
         --json benchmarks/results/allreduce.json
 
 Every rank takes part; rank 0 prints the table and writes the JSON. Sizes are float32 buffers
@@ -48,11 +48,10 @@ import torch
 import torch.distributed as dist
 from mpi4py import MPI
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.floor import floor  # noqa: E402 - the repo root goes first
-from benchmarks.timing import COMM, measure  # noqa: E402
-from benchmarks.units import bus_factor, human  # noqa: E402
-from launcher import mpi_backend  # noqa: E402
+from benchmarks.floor import floor
+from benchmarks.timing import COMM, measure
+from benchmarks.units import bus_factor, human
+from launcher import mpi_backend
 from launcher.models import cnn  # noqa: E402
 
 SIZES = [4 << 10 << (2 * i) for i in range(8)]  # 4 KiB, 16 KiB, ..., 64 MiB

@@ -1,6 +1,6 @@
 """Checkpoint save and load time and file size for the built-in models, one process.
 
-    .venv/bin/python benchmarks/checkpoint.py --json benchmarks/results/checkpoint.json
+    .venv/bin/python -m benchmarks.checkpoint --json benchmarks/results/checkpoint.json
 
 The state is what ``launcher.train`` writes: model, SGD optimizer with momentum buffers, LR
 scheduler, GradScaler, position and the RNG states of 2 ranks. "save" is the whole atomic write
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -20,8 +19,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from launcher import checkpoint  # noqa: E402 - the repo root goes on sys.path first
+from launcher import checkpoint
 from launcher.models import build_model  # noqa: E402
 
 

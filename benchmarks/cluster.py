@@ -1,6 +1,6 @@
 """Compose cluster benchmark: start-up, first step, all_reduce and weak scaling across nodes.
 
-    .venv/bin/python benchmarks/cluster.py [--image ddp:cpu] [--nodes 2] [--imb PREFIX] \
+    .venv/bin/python -m benchmarks.cluster [--image ddp:cpu] [--nodes 2] [--imb PREFIX] \
         [--json PATH]
 
 Starts an MPI cluster of NODES containers with the project's own code (``invoke cluster.up``),
@@ -29,12 +29,9 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from benchmarks import cluster_scaling, imb, plots, rank_side  # noqa: E402
-from ddp_tasks import cluster as cl  # noqa: E402
-from ddp_tasks import compose_spec as cs  # noqa: E402
+from benchmarks import RESULTS, ROOT, cluster_scaling, imb, plots, rank_side
+from ddp_tasks import cluster as cl
+from ddp_tasks import compose_spec as cs
 
 GOALS = {"first_step_s": 5.0, "mpi_weak_scaling_efficiency": 0.85}
 FIRST_STEP = re.compile(r"\bstep 1\b")
@@ -64,13 +61,14 @@ def time_to_first_step(project: str, prefix: str, nodes: int) -> tuple[float, fl
     return first, time.monotonic() - start
 
 
-def allreduce(prefix: str, nodes: int) -> dict:
-    """benchmarks/allreduce.py across the nodes, one rank each; its JSON."""
+def allreduce(prefix: str, nodes: int, options: tuple[str, ...] = ()) -> dict:
+    """benchmarks.allreduce across the nodes, one rank each, with OPTIONS; its JSON."""
     node0 = prefix + "node0"
-    scripts = rank_side.copy_to(node0)
+    rank_side.copy_to(node0)
     table = subprocess.run(
-        ["docker", "exec", node0, *cs.mpiexec_one_per_node(cs.hosts(nodes)), "python",
-         f"{scripts}/allreduce.py", "--json", "/shared/allreduce.json"], check=True,
+        ["docker", "exec", node0, *cs.mpiexec_one_per_node(cs.hosts(nodes)),
+         *rank_side.FROM_SHARED, "python", "-m", "benchmarks.allreduce",
+         *options, "--json", "/shared/allreduce.json"], check=True,
         timeout=RUN_TIMEOUT, capture_output=True, text=True).stdout
     text = subprocess.run(["docker", "exec", node0, "cat", "/shared/allreduce.json"],
                           check=True, capture_output=True, text=True, timeout=60).stdout
@@ -96,7 +94,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--image", default=cs.DEFAULT_IMAGE, help="project image (ddp:cpu)")
     parser.add_argument("--nodes", type=int, default=2, help="cluster size (default 2)")
-    parser.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "cluster.json"),
+    parser.add_argument("--json", default=str(RESULTS / "cluster.json"),
                         help="where to write the results (default: benchmarks/results/)")
     parser.add_argument("--scaling-repeats", type=int, default=3,
                         help="rounds of the weak-scaling runs (0: none)")

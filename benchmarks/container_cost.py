@@ -1,7 +1,7 @@
 """What the container costs: all_reduce in the lines ``invoke run --runtime charliecloud``
 prints, against the same ranks in the venv.
 
-    .venv/bin/python benchmarks/container_cost.py --image DIR [--srun local] \
+    .venv/bin/python -m benchmarks.container_cost --image DIR [--srun local] \
         [--openmpi-prefix P] --json benchmarks/results/container_cost.json
 
 DIR is the cpu image converted for Charliecloud (``invoke chimage``). Every command line is
@@ -41,11 +41,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # also inside ch-run, where the checkout is bound at MOUNT
-
-from benchmarks import rank_side  # noqa: E402
-from benchmarks.units import human  # noqa: E402
+from benchmarks import ROOT, rank_side
+from benchmarks.units import human
 
 SIZES = (1 << 20, 16 << 20)
 #: where the repository is bound in the image (one of its empty mount points)

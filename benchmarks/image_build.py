@@ -1,8 +1,8 @@
 """Image build benchmark: cold build, rebuild after a code-only change, size, per flavor; with
 ``--sif``, the flavor's SIF too (benchmarks/sif_image.py: build time, size, start-up).
 
-    .venv/bin/python benchmarks/image_build.py [--flavors cpu,cuda] [--skip-cold] [--json PATH]
-    .venv/bin/python benchmarks/image_build.py --flavors cpu --sif [--sif-only]
+    .venv/bin/python -m benchmarks.image_build [--flavors cpu,cuda] [--skip-cold] [--json PATH]
+    .venv/bin/python -m benchmarks.image_build --flavors cpu --sif [--sif-only]
 
 Builds each flavor the way the tests do (`invoke build --flavor F --base-image
 ddp-base:bookworm --ca-bundle /etc/ssl/certs/ca-certificates.crt`, CPU torch wheel in
@@ -22,18 +22,16 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks import sif_image  # noqa: E402
-from ddp_tasks import engine  # noqa: E402
-from ddp_tasks import image as image_tasks  # noqa: E402
-from ddp_tasks import image_commands as ic  # noqa: E402
+from benchmarks import RESULTS, ROOT, sif_image
+from ddp_tasks import engine
+from ddp_tasks import image as image_tasks
+from ddp_tasks import image_commands as ic
 
 GOALS = {"rebuild_s": 15.0, "size_gb": {"cpu": 1.2, "cuda": 6.5}}
 HOST_CA_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
 # a new module under launcher/: a code-only change that must not touch the dependency layers
-PROBE = ic.ROOT / "launcher" / "_rebuild_probe.py"
-RESULTS = ic.ROOT / "benchmarks" / "results" / "image_build.json"
+PROBE = ROOT / "launcher" / "_rebuild_probe.py"
+RESULT = RESULTS / "image_build.json"
 
 
 def timed_build(**options) -> tuple[float, int]:
@@ -69,8 +67,8 @@ def main() -> int:
                         help="comma-separated flavors to build (default: all)")
     parser.add_argument("--skip-cold", action="store_true",
                         help="skip the cold (no cache) build, which takes minutes")
-    parser.add_argument("--json", default=str(RESULTS),
-                        help=f"where to write the results (default {RESULTS.relative_to(ic.ROOT)})")
+    parser.add_argument("--json", default=str(RESULT),
+                        help=f"where to write the results (default {RESULT.relative_to(ROOT)})")
     parser.add_argument("--sif", action="store_true",
                         help="also build each flavor's SIF without Apptainer and time start-up "
                              "from it, the Docker image and the venv (needs siftool, "

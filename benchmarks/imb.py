@@ -1,7 +1,7 @@
 """A second reference: Intel MPI's own benchmark, ``IMB-MPI1 Allreduce``, from the impi-rt wheel.
 
     pip install --prefix ~/impi impi-rt
-    .venv/bin/python benchmarks/imb.py --prefix ~/impi --json benchmarks/results/imb.json
+    .venv/bin/python -m benchmarks.imb --prefix ~/impi --json benchmarks/results/imb.json
 
 IMB-MPI1 Allreduce (float32 MPI_SUM, 4 KiB to 64 MiB) with Intel MPI's own mpiexec on 2 ranks
 of this machine (shared memory), taking turns with benchmarks/allreduce.py (the mpi backend and
@@ -25,15 +25,13 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from benchmarks import ROOT, rank_side
+from benchmarks.units import human
+
 #: 4 KiB to 64 MiB, the sizes of benchmarks/allreduce.py
 MSGLOG = "12:26"
 ITERATIONS = "100"
 TIMEOUT = 600
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-
-from benchmarks import rank_side  # noqa: E402
-from benchmarks.units import human  # noqa: E402
 
 
 def imb_argv(prefix: str, ranks: int, hosts: list[str] | None = None,
@@ -118,11 +116,12 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="ddp-imb-") as tmp:
         out = Path(tmp) / "allreduce.json"
         allreduce_argv = [*rank_side.local_mpiexec(2), sys.executable,
-                          str(HERE / "allreduce.py"), "--json", str(out),
+                          "-m", "benchmarks.allreduce", "--json", str(out),
                           *shlex.split(args.allreduce_args)]
 
         def run_allreduce() -> dict:
-            subprocess.run(allreduce_argv, check=True, capture_output=True, timeout=TIMEOUT)
+            subprocess.run(allreduce_argv, check=True, capture_output=True, timeout=TIMEOUT,
+                           cwd=ROOT)
             return json.loads(out.read_text())
 
         def run_imb() -> dict[int, float]:

@@ -1,6 +1,6 @@
 """PNG plots of the benchmarks' JSON, drawn on the host (matplotlib: the dev extra).
 
-    .venv/bin/python benchmarks/plots.py benchmarks/results/allreduce.json [...]
+    .venv/bin/python -m benchmarks.plots benchmarks/results/allreduce.json [...]
 
 Each JSON gets a PNG of the same name beside it: an all_reduce result (benchmarks/allreduce.py,
 also run across nodes by benchmarks/cluster.py) as bus bandwidth against message size with the
@@ -13,8 +13,7 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.units import bus_factor, human  # noqa: E402
+from benchmarks.units import bus_factor, human
 
 SERIES = {"mpi4py": "mpi backend (mpi4py)", "gloo": "gloo", "raw": "raw mpi4py Allreduce"}
 

@@ -1,7 +1,7 @@
 """The benchmark scripts that run on ranks: how a job of them starts on this machine, how it
 reports back, and how they get to a compose cluster (the image holds launcher/ but not
 benchmarks/, so node0 gets them on the volume every node shares, laid out as in the checkout:
-they import their helpers as ``benchmarks.*``)."""
+each rank runs ``python -m benchmarks.NAME`` with the volume on its PYTHONPATH)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,13 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 #: what the rank-side jobs import or run
-SCRIPTS = ("allreduce.py", "floor.py", "timing.py", "tuning.py", "units.py", "rank_side.py")
-#: where every node finds them
-SHARED = "/shared/benchmarks"
+SCRIPTS = ("__init__.py", "allreduce.py", "floor.py", "timing.py", "tuning.py", "units.py",
+           "rank_side.py")
+#: the volume every node shares, and the package's copy on it
+SHARED_ROOT = "/shared"
+SHARED = f"{SHARED_ROOT}/benchmarks"
+#: Hydra's options that let every rank import the copy: ``python -m benchmarks.NAME``
+FROM_SHARED = ("-genv", "PYTHONPATH", SHARED_ROOT)
 #: the line that starts a rank-side job's one-line JSON result
 RESULT = "RESULT "
 
@@ -35,10 +39,9 @@ def result_of(stdout: str) -> dict[int, float]:
     return {int(k): v for k, v in json.loads(line.removeprefix(RESULT)).items()}
 
 
-def copy_to(node0: str) -> str:
-    """Copy SCRIPTS into container NODE0's shared volume; their directory there."""
+def copy_to(node0: str) -> None:
+    """Copy SCRIPTS into container NODE0's shared volume (SHARED)."""
     subprocess.run(["docker", "exec", node0, "mkdir", "-p", SHARED], check=True, timeout=60)
     for name in SCRIPTS:
         subprocess.run(["docker", "cp", str(HERE / name), f"{node0}:{SHARED}/{name}"],
                        check=True, timeout=60)
-    return SHARED

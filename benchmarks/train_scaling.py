@@ -1,6 +1,6 @@
 """Training throughput of ``python -m launcher.train`` on this machine's CPUs, 1 vs 2 ranks.
 
-    .venv/bin/python benchmarks/train_scaling.py --json benchmarks/results/train_scaling.json
+    .venv/bin/python -m benchmarks.train_scaling --json benchmarks/results/train_scaling.json
 
 Each measurement is a real ``mpiexec -n R python -m launcher.train`` run on the synthetic
 dataset; its JSON-lines metrics give the numbers. Warm-up intervals are dropped; of the rest the
@@ -44,8 +44,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # benchmarks.plots, as the ranks import this module's specs
+from benchmarks import ROOT
+
 MPIEXEC = Path(sys.executable).parent / "mpiexec"
 WARMUP_INTERVALS = 2
 #: the CNN with buffers broadcast before every forward, as a --model spec each rank imports

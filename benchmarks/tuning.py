@@ -1,7 +1,7 @@
 """MPICH's algorithm for the mpi backend's all_reduce, side by side: one job per variant.
 
-    .venv/bin/python benchmarks/tuning.py --json benchmarks/results/tuning.json
-    .venv/bin/python benchmarks/tuning.py --nodes 3 --json benchmarks/results/tuning-3node.json
+    .venv/bin/python -m benchmarks.tuning --json benchmarks/results/tuning.json
+    .venv/bin/python -m benchmarks.tuning --nodes 3 --json benchmarks/results/tuning-3node.json
 
 A variant is MPICH's algorithm for the non-blocking all_reduce the backend calls (an
 environment variable, read when MPI starts, hence one job per variant): its own choice, or the
@@ -24,11 +24,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from benchmarks import rank_side  # noqa: E402
-from benchmarks.units import bus_factor, human  # noqa: E402
+from benchmarks import ROOT, rank_side
+from benchmarks.units import bus_factor, human
 
 ALGORITHM = "MPIR_CVAR_IALLREDUCE_INTRA_ALGORITHM"
 RUN_TIMEOUT = 600
@@ -59,7 +56,8 @@ def variant_job(args) -> None:
 
 
 def job_argv(launch: list[str], script: list[str], algorithm: str, seconds: float) -> list[str]:
-    """LAUNCH (an mpiexec command line) running SCRIPT (python and this file) as one variant."""
+    """LAUNCH (an mpiexec command line) running SCRIPT (python -m this module) as one
+    variant."""
     return [*launch, "-genv", ALGORITHM, algorithm, *script, "--rank-side", "--seconds",
             str(seconds)]
 
@@ -115,7 +113,7 @@ def main() -> int:
     if args.nodes == 1:
         where = "2 ranks on one node"
         launch = rank_side.local_mpiexec(2)
-        result = compare(launch, [sys.executable, str(Path(__file__).resolve())], VARIANTS,
+        result = compare(launch, [sys.executable, "-m", "benchmarks.tuning"], VARIANTS,
                          args.rounds, args.seconds)
     else:
         where = f"{args.nodes} nodes, one rank each"
@@ -129,9 +127,18 @@ def main() -> int:
     return 0
 
 
+def on_cluster(node0: str, hosts: list[str]) -> tuple[list[str], list[str]]:
+    """``(launch, script)`` of the jobs on a running compose cluster, one rank on each of HOSTS;
+    the package is copied to its shared volume first."""
+    from ddp_tasks import compose_spec as cs  # not in the image, where the ranks import this
+
+    rank_side.copy_to(node0)
+    return (["docker", "exec", node0, *cs.mpiexec_one_per_node(hosts), *rank_side.FROM_SHARED],
+            ["python", "-m", "benchmarks.tuning"])
+
+
 def across_nodes(args, variants: list) -> dict:
     """The jobs on a compose cluster started for them, with both scripts on its shared volume."""
-    sys.path.insert(0, str(ROOT))
     from ddp_tasks import cluster as cl
     from ddp_tasks import compose_spec as cs
 
@@ -139,11 +146,8 @@ def across_nodes(args, variants: list) -> dict:
     prefix = f"{project}-"
     try:
         cl.up_mpi(args.nodes, project, prefix, args.image)
-        scripts = rank_side.copy_to(f"{prefix}node0")
-        launch = ["docker", "exec", f"{prefix}node0", *cs.mpiexec_one_per_node(
-            cs.hosts(args.nodes))]
-        return compare(launch, ["python", f"{scripts}/tuning.py"], variants, args.rounds,
-                       args.seconds)
+        launch, script = on_cluster(f"{prefix}node0", cs.hosts(args.nodes))
+        return compare(launch, script, variants, args.rounds, args.seconds)
     finally:
         left = cl.remove(project, cl.mpi_compose_file(args.nodes, project))
         if left:

@@ -12,7 +12,8 @@ import sys
 
 import pytest
 
-from benchmarks import imb
+from benchmarks import cluster as cluster_benchmark
+from benchmarks import imb, tuning
 from tests.fixtures.mpi import REPO_ROOT, clean_environ, run_mpi
 
 pytestmark = pytest.mark.mpi
@@ -20,7 +21,7 @@ pytestmark = pytest.mark.mpi
 
 def test_allreduce_benchmark_writes_every_table(tmp_path):
     out = tmp_path / "allreduce.json"
-    result = run_mpi(2, ["benchmarks/allreduce.py", "--seconds", "0.02", "--rounds", "1",
+    result = run_mpi(2, ["-m", "benchmarks.allreduce", "--seconds", "0.02", "--rounds", "1",
                          "--busy-calls", "20", "--json", str(out)], timeout=300)
     assert result.returncode == 0, result.output
     report = json.loads(out.read_text())
@@ -47,7 +48,7 @@ def test_allreduce_benchmark_writes_every_table(tmp_path):
 def test_train_scaling_benchmark_splits_weak_scaling_and_measures_the_broadcast(tmp_path):
     out = tmp_path / "train_scaling.json"
     result = subprocess.run(
-        [sys.executable, "benchmarks/train_scaling.py", "--weak-only", "--steps", "15",
+        [sys.executable, "-m", "benchmarks.train_scaling", "--weak-only", "--steps", "15",
          "--repeats", "2", "--json", str(out)],
         cwd=REPO_ROOT, env=clean_environ(), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -75,7 +76,7 @@ def test_train_scaling_benchmark_splits_weak_scaling_and_measures_the_broadcast(
 def test_container_cost_benchmark_compares_venv_and_ch_run(ch_image, tmp_path):
     out = tmp_path / "container_cost.json"
     result = subprocess.run(
-        [sys.executable, "benchmarks/container_cost.py", "--image", str(ch_image), "--rounds",
+        [sys.executable, "-m", "benchmarks.container_cost", "--image", str(ch_image), "--rounds",
          "1", "--calls", "5", "--json", str(out)],
         cwd=REPO_ROOT, env=clean_environ(), capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -97,7 +98,7 @@ def test_container_cost_benchmark_compares_venv_and_ch_run(ch_image, tmp_path):
 def test_imb_takes_turns_with_the_allreduce_benchmark(impi_prefix, tmp_path):
     out = tmp_path / "imb.json"
     result = subprocess.run(
-        [sys.executable, "benchmarks/imb.py", "--prefix", str(impi_prefix), "--rounds", "2",
+        [sys.executable, "-m", "benchmarks.imb", "--prefix", str(impi_prefix), "--rounds", "2",
          "--allreduce-args", "--seconds 0.02 --rounds 1 --busy-calls 20", "--json", str(out)],
         cwd=REPO_ROOT, env=clean_environ(), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -124,7 +125,7 @@ def test_imb_rows_take_the_median_of_each_rounds_ratio():
 def test_tuning_benchmark_compares_each_variant_with_the_first(tmp_path):
     out = tmp_path / "tuning.json"
     result = subprocess.run(
-        [sys.executable, "benchmarks/tuning.py", "--rounds", "1", "--seconds", "0.02",
+        [sys.executable, "-m", "benchmarks.tuning", "--rounds", "1", "--seconds", "0.02",
          "--json", str(out)],
         cwd=REPO_ROOT, env=clean_environ(), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -132,3 +133,19 @@ def test_tuning_benchmark_compares_each_variant_with_the_first(tmp_path):
     first, ring = report["busGBps"]  # MPICH's own choice, then its ring
     assert len(report["busGBps"][ring]) == 8 and min(report["busGBps"][ring].values()) > 0
     assert set(report["vs_first"][first].values()) == {1.0}
+
+
+@pytest.mark.cluster
+@pytest.mark.docker
+def test_the_rank_side_benchmarks_start_as_modules_across_compose_nodes(compose_mpi):
+    """The image holds no benchmarks/: the package goes to the shared volume and every node's
+    rank runs ``python -m benchmarks.NAME`` from there (allreduce, a tuning variant)."""
+    report = cluster_benchmark.allreduce(compose_mpi.prefix, 2, (
+        "--seconds", "0.02", "--rounds", "1", "--busy-calls", "5"))
+    assert report["world_size"] == 2 and report["nodes"] == 2
+    assert [row["bytes"] for row in report["allreduce"]] == [4 << 10 << 2 * i for i in range(8)]
+    launch, script = tuning.on_cluster(compose_mpi.container("node0"),
+                                       list(compose_mpi.hosts[:2]))
+    [(label, _)] = variants = tuning.VARIANTS[:1]
+    result = tuning.compare(launch, script, variants, 1, 0.02)
+    assert len(result["busGBps"][label]) == 8 and min(result["busGBps"][label].values()) > 0
