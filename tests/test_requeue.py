@@ -21,6 +21,7 @@ import pytest
 
 from ddp_tasks.batch_script import Batch, batch_script
 from ddp_tasks.launch_spec import Launch
+from tests.fixtures.etc_hosts import loopback_names
 from tests.fixtures.mpi import REPO_ROOT, json_objects
 from tests.test_batch_endings import attempts
 
@@ -197,3 +198,14 @@ def test_torchrun_preemption_requeues_through_the_script(slurm_cluster3, tmp_pat
         "exit 75 (preempted): requeue", "exit 0: passed on"]
     assert f"job {job_id}: the ranks report exit 75: preempted" in output
     assert "resuming from" in output
+
+
+def test_loopback_names_remove_exactly_their_line(tmp_path):
+    """The fixture's /etc/hosts lines: its own removed after, a dead test's removed before,
+    everything else untouched."""
+    hosts = tmp_path / "hosts"
+    others = "127.0.0.1 localhost\n10.0.0.7 n1 # ddp tests, pid 1\n"  # pid 1 lives: kept
+    hosts.write_text(f"{others}127.0.0.1 n0 n2 # ddp tests, pid 999999999\n")
+    with loopback_names(["n0", "n1", "n2"], hosts):
+        assert hosts.read_text() == f"{others}127.0.0.1 n0 n2 # ddp tests, pid {os.getpid()}\n"
+    assert hosts.read_text() == others
