@@ -115,6 +115,13 @@ def test_preemption_is_not_counted(tmp_path):
     assert _endings(tmp_path)[-1] == "exit 75 (preempted): requeue"
 
 
+def test_no_run_directory_on_this_host_means_no_log_and_no_requeue(tmp_path):
+    """The ranks wrote to a run directory inside their container that this host lacks."""
+    result, calls = _run_stubbed(tmp_path, Batch(), "exit 3")
+    assert result.returncode == 3, result.stderr
+    assert calls == [] and not (tmp_path / "run").exists()
+
+
 def test_an_unwritable_log_means_no_requeue(tmp_path):
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "attempts.log").mkdir()  # cannot be appended to
@@ -145,6 +152,7 @@ esac"""
 
 
 def test_a_failed_preflight_ends_the_job(tmp_path):
+    (tmp_path / "run").mkdir()
     result, calls = _run_stubbed(tmp_path, Batch(preflight=True), "exit 2")
     assert result.returncode == 2 and calls == []
     assert len((tmp_path / "srun").read_text().splitlines()) == 1

@@ -17,9 +17,11 @@ attempts_log=runs/train/attempts.log
 max_restarts=3
 rm -f "$status_file" "$lost_file"  # a previous attempt's ending must not decide this one
 
-# One line per attempt in the run directory: when, which job and attempt, where, what.
+# One line per attempt in the run directory, which the ranks make: when, which job and
+# attempt, where, what. Not made here: a run directory missing on this host is another path
+# inside the container, and this one would be a stray.
 log_attempt() {
-    mkdir -p "$run_dir" && echo "$(date -u +%FT%TZ) job $SLURM_JOB_ID" \
+    [ -d "$run_dir" ] && echo "$(date -u +%FT%TZ) job $SLURM_JOB_ID" \
         "attempt $((SLURM_RESTART_COUNT + 1)) on $SLURM_JOB_NODELIST: $*" >> "$attempts_log"
 }
 
