@@ -14,13 +14,15 @@ _GPU_KEY = "ddp/gpu"
 
 
 def nccl_unless_gpus_are_shared(env: JobEnv, store: dist.Store, device: torch.device,
-                                explicit: bool) -> str:
-    """``nccl``, or ``gloo`` for ``--backend auto`` when ranks share a GPU (NCCL stops such a
-    job at its first collective with "invalid usage"). Every rank takes the same decision."""
+                                if_shared: str) -> str:
+    """``nccl``, or what the backend plan says for ranks that share a GPU
+    (``BackendPlan.if_gpu_shared``: "gloo", or "refuse" with a LaunchError); NCCL would stop
+    such a job at its first collective with "invalid usage". Every rank takes the same
+    decision."""
     shared = shared_gpu(env, store, _gpu_identity(device))
     if shared is None:
         return "nccl"
-    if explicit:
+    if if_shared == "refuse":
         raise LaunchError(
             f"NCCL cannot run several ranks on one GPU, and {shared}",
             hint=f"start one rank per GPU ({torch.cuda.device_count()} visible on "

@@ -117,8 +117,7 @@ def _start(env: JobEnv, chosen: BackendPlan, device: torch.device,
         if chosen.store:
             env, store = start_store(env, name, timeout)
             if chosen.if_gpu_shared is not None:
-                name = nccl_unless_gpus_are_shared(env, store, device,
-                                                   explicit=chosen.if_gpu_shared == "refuse")
+                name = nccl_unless_gpus_are_shared(env, store, device, chosen.if_gpu_shared)
         _init(env, name, store, timeout)
     return env, name, store
 
