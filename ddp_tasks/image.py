@@ -16,8 +16,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-from invoke import task
-
 from ddp_tasks import flavors
 from ddp_tasks import image_commands as ic
 from ddp_tasks.engine import (
@@ -27,14 +25,16 @@ from ddp_tasks.engine import (
     stage_build_inputs,
     stream_build,
 )
+from ddp_tasks.image_params import IMAGE, ImageParams
 from ddp_tasks.task_errors import shown_only, user_errors
+from ddp_tasks.task_params import documented
 from launcher import __version__
 from launcher.errors import LaunchError
 
 # ---------------------------------------------------------------------------------------- base
 
-def make_base(tag: str = ic.DEFAULT_BASE_TAG, suite: str = "bookworm",
-              mirror: str = ic.DEBIAN_MIRROR, out=sys.stdout) -> str:
+def make_base(tag: str = IMAGE.tag, suite: str = IMAGE.suite, mirror: str = IMAGE.mirror,
+              out=sys.stdout) -> str:
     """debootstrap a minbase Debian root filesystem and ``docker import`` it as TAG."""
     if shutil.which("debootstrap") is None:
         raise LaunchError("debootstrap is not installed",
@@ -73,12 +73,8 @@ def make_base(tag: str = ic.DEFAULT_BASE_TAG, suite: str = "bookworm",
     return tag
 
 
-@task(help={
-    "tag": f"name:tag of the imported image (default {ic.DEFAULT_BASE_TAG})",
-    "suite": "Debian release to bootstrap (default bookworm: its python3 is 3.11)",
-    "mirror": f"Debian mirror or a local proxy of it (default {ic.DEBIAN_MIRROR})",
-})
-def base(c, tag=ic.DEFAULT_BASE_TAG, suite="bookworm", mirror=ic.DEBIAN_MIRROR):
+@documented(ImageParams)
+def base(c, tag=IMAGE.tag, suite=IMAGE.suite, mirror=IMAGE.mirror):
     """Make a Debian base image from the Debian mirror (for sites with no registry access)."""
     with user_errors():
         make_base(tag, suite, mirror)
@@ -86,9 +82,10 @@ def base(c, tag=ic.DEFAULT_BASE_TAG, suite="bookworm", mirror=ic.DEBIAN_MIRROR):
 
 # --------------------------------------------------------------------------------------- build
 
-def build_image(*, flavor: str = flavors.DEFAULT, name: str = ic.DEFAULT_NAME, base_image: str = "",
-                wheelhouse: str = ic.DEFAULT_WHEELHOUSE, ca_bundle: str = "",
-                keep_ca: bool = False, build_args: str = "", nocache: bool = False,
+def build_image(*, flavor: str = IMAGE.flavor, name: str = IMAGE.name,
+                base_image: str = IMAGE.base_image, wheelhouse: str = IMAGE.wheelhouse,
+                ca_bundle: str = IMAGE.ca_bundle, keep_ca: bool = IMAGE.keep_ca,
+                build_args: str = IMAGE.build_args, nocache: bool = IMAGE.nocache,
                 reuse_current: bool = False, out=sys.stdout) -> str:
     """Build docker/Dockerfile as NAME:FLAVOR; returns the tag (the work behind `invoke build`).
 
@@ -118,23 +115,10 @@ def build_image(*, flavor: str = flavors.DEFAULT, name: str = ic.DEFAULT_NAME, b
     return tag
 
 
-@task(help={
-    "flavor": flavors.HELP,
-    "name": f"image name; the tag is NAME:FLAVOR (default {ic.DEFAULT_NAME})",
-    "base_image": "base image for both stages, e.g. ddp-base:bookworm from `invoke base` "
-                  "(default: debian:bookworm-slim)",
-    "wheelhouse": f"directory of wheels for pip --find-links, e.g. the torch wheel "
-                  f"(default {ic.DEFAULT_WHEELHOUSE}/ when it exists)",
-    "ca_bundle": "full CA bundle pip trusts during the build, for TLS-intercepting proxies "
-                 "(default: $PIP_CERT); not kept in the image unless --keep-ca",
-    "keep_ca": "keep the CA bundle in the image for pip in its venv (/opt/ddp/ca, venv pip.conf)",
-    "build_args": "more build arguments, NAME=VALUE,NAME=VALUE (e.g. TORCH_FROM_SOURCE=1: "
-                  "PyTorch compiled with USE_MPI=1, hours)",
-    "nocache": "ignore the build cache",
-})
-def build(c, flavor=flavors.DEFAULT, name=ic.DEFAULT_NAME, base_image="",
-          wheelhouse=ic.DEFAULT_WHEELHOUSE, ca_bundle="", keep_ca=False, build_args="",
-          nocache=False):
+@documented(ImageParams, notes={"flavor": flavors.HELP})
+def build(c, flavor=IMAGE.flavor, name=IMAGE.name, base_image=IMAGE.base_image,
+          wheelhouse=IMAGE.wheelhouse, ca_bundle=IMAGE.ca_bundle, keep_ca=IMAGE.keep_ca,
+          build_args=IMAGE.build_args, nocache=IMAGE.nocache):
     """Build the image for one flavor from docker/Dockerfile (progress is streamed)."""
     with user_errors():
         build_image(flavor=flavor, name=name, base_image=base_image, wheelhouse=wheelhouse,
@@ -144,7 +128,7 @@ def build(c, flavor=flavors.DEFAULT, name=ic.DEFAULT_NAME, base_image="",
 
 # ---------------------------------------------------------------------------------------- push
 
-def push_image(*, registry: str, flavor: str = flavors.DEFAULT, name: str = ic.DEFAULT_NAME,
+def push_image(*, registry: str, flavor: str = IMAGE.flavor, name: str = IMAGE.name,
                out=sys.stdout) -> str:
     """Tag NAME:FLAVOR as REGISTRY/NAME:FLAVOR, push it, return ``REGISTRY/NAME@DIGEST``.
 
@@ -175,12 +159,8 @@ def push_image(*, registry: str, flavor: str = flavors.DEFAULT, name: str = ic.D
     return reference
 
 
-@task(help={
-    "registry": "registry to push to, HOST[:PORT][/PATH] (default: $DDP_REGISTRY)",
-    "flavor": f"flavor of the local image NAME:FLAVOR to push (default {flavors.DEFAULT})",
-    "name": f"image name (default {ic.DEFAULT_NAME})",
-})
-def push(c, registry="", flavor=flavors.DEFAULT, name=ic.DEFAULT_NAME):
+@documented(ImageParams)
+def push(c, registry=IMAGE.registry, flavor=IMAGE.flavor, name=IMAGE.name):
     """Push NAME:FLAVOR to a registry and print its digest (credentials: ~/.docker/config.json)."""
     with user_errors():
         push_image(registry=registry or os.environ.get("DDP_REGISTRY", ""), flavor=flavor,
@@ -189,15 +169,11 @@ def push(c, registry="", flavor=flavors.DEFAULT, name=ic.DEFAULT_NAME):
 
 # ----------------------------------------------------------------------------------- chimage
 
-@task(help={
-    "output": "directory image to write (default ddp-FLAVOR: what `invoke run --runtime "
-              "charliecloud` runs); replaced if it exists",
-    "flavor": f"flavor of the image to convert (default {flavors.DEFAULT})",
-    "name": f"image name (default {ic.DEFAULT_NAME})",
-    "image": "the engine's image to convert (default NAME:FLAVOR)",
-    "dry_run": "print the command, run nothing",
-})
-def chimage(c, output="", flavor=flavors.DEFAULT, name=ic.DEFAULT_NAME, image="", dry_run=False):
+@documented(ImageParams, notes={
+    "output": "directory image to write (default NAME-FLAVOR: what `invoke run --runtime "
+              "charliecloud` runs); replaced if it exists"})
+def chimage(c, output="", flavor=IMAGE.flavor, name=IMAGE.name, image=IMAGE.image,
+            dry_run=IMAGE.dry_run):
     """Convert the Docker image into a Charliecloud image for `ch-run` (needs ch-convert)."""
     with user_errors():
         flavors.get(flavor)

@@ -33,6 +33,7 @@ DEFAULT_WHEELHOUSE = ".wheelhouse"
 FLAVORS = flavors.NAMES
 DEFAULT_NAME = "ddp"
 DEFAULT_BASE_TAG = "ddp-base:bookworm"
+DEBIAN_SUITE = "bookworm"  # its python3 (3.11) is the one the image's wheels are for
 DEBIAN_MIRROR = "http://deb.debian.org/debian"
 DEBIAN_SECURITY = "http://deb.debian.org/debian-security"
 
@@ -120,13 +121,13 @@ def source_digest(root: Path = ROOT) -> str:
     return digest.hexdigest()[:16]
 
 
-def debootstrap_command(rootfs: str, suite: str = "bookworm",
+def debootstrap_command(rootfs: str, suite: str = DEBIAN_SUITE,
                         mirror: str = DEBIAN_MIRROR) -> list[str]:
     """The minimal Debian root filesystem for ``invoke base`` (no registry needed)."""
     return ["debootstrap", "--variant=minbase", suite, rootfs, mirror]
 
 
-def apt_sources(suite: str = "bookworm", mirror: str = DEBIAN_MIRROR,
+def apt_sources(suite: str = DEBIAN_SUITE, mirror: str = DEBIAN_MIRROR,
                 security: str = DEBIAN_SECURITY) -> str:
     """sources.list for the base image: debootstrap writes only the release itself, so the
     updates and security suites are added to keep ``apt-get upgrade`` meaningful."""

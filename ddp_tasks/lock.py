@@ -15,8 +15,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-from invoke import task
-
 from ddp_tasks import flavors, lock_file
 from ddp_tasks import image_commands as ic
 from ddp_tasks.engine import (
@@ -27,7 +25,9 @@ from ddp_tasks.engine import (
     stream_build,
     wheelhouse_source,
 )
+from ddp_tasks.image_params import IMAGE, ImageParams
 from ddp_tasks.task_errors import user_errors
+from ddp_tasks.task_params import documented
 from launcher.errors import LaunchError
 
 try:
@@ -36,8 +36,8 @@ except ModuleNotFoundError:  # Python 3.10: the same parser, from PyPI (the task
     import tomli as tomllib
 
 
-def make_lock(*, flavor: str = flavors.DEFAULT, base_image: str = "",
-              wheelhouse: str = ic.DEFAULT_WHEELHOUSE, ca_bundle: str = "",
+def make_lock(*, flavor: str = IMAGE.flavor, base_image: str = IMAGE.base_image,
+              wheelhouse: str = IMAGE.wheelhouse, ca_bundle: str = IMAGE.ca_bundle,
               output: Path | None = None, out=sys.stdout) -> Path:
     """Resolve FLAVOR's packages in the python stage and write OUTPUT (default
     ``docker/lock-FLAVOR.txt``)."""
@@ -115,16 +115,14 @@ def write_lock(flavor: flavors.Flavor, text: str, pins: dict[str, str], output: 
     return path
 
 
-@task(help={
-    "flavor": f"{' or '.join(flavors.NAMES)}: the image whose packages to lock "
-              f"(default {flavors.DEFAULT})",
+@documented(ImageParams, notes={
+    "flavor": "the image whose packages to lock",
     "base_image": "base image of the python stage, as for `invoke build` (default "
                   "debian:bookworm-slim)",
-    "wheelhouse": f"directory of wheels pip may take, e.g. the CPU torch wheel (default "
-                  f"{ic.DEFAULT_WHEELHOUSE}/ when it exists)",
     "ca_bundle": "full CA bundle pip trusts, for TLS-intercepting proxies (default: $PIP_CERT)",
 })
-def lock(c, flavor=flavors.DEFAULT, base_image="", wheelhouse=ic.DEFAULT_WHEELHOUSE, ca_bundle=""):
+def lock(c, flavor=IMAGE.flavor, base_image=IMAGE.base_image, wheelhouse=IMAGE.wheelhouse,
+         ca_bundle=IMAGE.ca_bundle):
     """Write docker/lock-FLAVOR.txt: every package of the image, pinned with its hash."""
     with user_errors():
         make_lock(flavor=flavor, base_image=base_image, wheelhouse=wheelhouse,

@@ -19,7 +19,9 @@ from invoke import task
 from ddp_tasks import apptainer_def, flavors, sif_content, sif_mount
 from ddp_tasks import image_commands as ic
 from ddp_tasks.engine import docker_client
+from ddp_tasks.image_params import IMAGE, ImageParams
 from ddp_tasks.task_errors import shown_only, user_errors
+from ddp_tasks.task_params import documented
 from launcher.errors import LaunchError
 
 BUILDERS = ("auto", "native", "apptainer")
@@ -179,11 +181,9 @@ def _native_dry_run(*, output: str, flavor: str, image: str) -> None:
         print(shlex.join(command))
 
 
-@task(help={
+@documented(ImageParams, notes={
     "output": "SIF file to write (default NAME-FLAVOR.sif: ddp-cpu.sif, what `invoke run "
               "--runtime apptainer` runs)",
-    "flavor": f"flavor of the image to convert (default {flavors.DEFAULT})",
-    "name": f"image name (default {ic.DEFAULT_NAME})",
     "builder": "apptainer (`apptainer build` with apptainer/ddp-FLAVOR.def), native (docker "
                "export, mksquashfs, siftool: no Apptainer needed) or auto (default: apptainer "
                "where it is installed, else native)",
@@ -194,8 +194,8 @@ def _native_dry_run(*, output: str, flavor: str, image: str) -> None:
     "fakeroot": "apptainer builder: build with --fakeroot (unprivileged users)",
     "dry_run": "print the definition file and the commands, run nothing",
 })
-def sif(c, output="", flavor=flavors.DEFAULT, name=ic.DEFAULT_NAME, builder="auto",
-        source="docker-daemon", image="", fakeroot=False, dry_run=False):
+def sif(c, output="", flavor=IMAGE.flavor, name=IMAGE.name, builder="auto",
+        source="docker-daemon", image=IMAGE.image, fakeroot=False, dry_run=IMAGE.dry_run):
     """Build a SIF from the Docker image; print its size and its system partition's sha256."""
     with user_errors():
         flavors.get(flavor)
