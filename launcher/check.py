@@ -7,6 +7,8 @@ limit; limits below what the node's ranks need are warnings (``launcher.shm``), 
 Then, for each backend asked for, a ping-pong between rank 0 and every other rank and an
 all_reduce whose result every rank checks.
 
+``--preflight`` measures instead how fast each node is (``launcher.preflight``).
+
 Exit status: 0 all good, 1 the cluster is inconsistent or a collective gave a wrong result,
 2 bad input or environment (with a HINT).
 """
@@ -19,6 +21,7 @@ import platform
 import sys
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -279,6 +282,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="seconds before a collective that does not complete is an error")
     parser.add_argument("--json", action="store_true",
                         help="print one machine-readable summary line on rank 0, no table")
+    parser.add_argument("--preflight", action="store_true",
+                        help="instead: measure every node's GEMM and memory speed and every node "
+                        "pair's bandwidth over the one --backend, name nodes under half the median "
+                        "(launcher.preflight); exit 0 once measured")
+    parser.add_argument("--slow-nodes", type=Path, metavar="FILE",
+                        help="with --preflight: rank 0 writes the slow nodes' names here, one per "
+                        "line (an empty file when every node is fine)")
     return parser.parse_args(argv)
 
 
@@ -291,7 +301,19 @@ def main(argv: list[str] | None = None) -> int:
         if unknown or not backends:
             raise LaunchError(f"unknown backend {', '.join(unknown) or '(none)'} in --backend",
                               hint=f"use one or more of: {', '.join(BACKEND_CHOICES)}")
+        if args.preflight or args.slow_nodes:
+            return _preflight(env, backends, args)
         return run_check(env, backends, args.timeout, args.json)
+
+
+def _preflight(env: JobEnv, backends: list[str], args: argparse.Namespace) -> int:
+    if not args.preflight or len(backends) != 1:
+        raise LaunchError("--slow-nodes goes with --preflight, which measures over one backend",
+                          hint="python -m launcher.check --preflight --slow-nodes FILE "
+                          "[--backend NAME]")
+    from launcher import preflight  # it gathers through this module
+
+    return preflight.run(env, backends[0], args.timeout, args.slow_nodes)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,86 @@
+"""``python -m launcher.check --preflight``: the naming rule on figures, and a slowed node for real.
+
+For real: 3 ranks as 3 nodes (torchrun's variables with GROUP_RANK, node names from DDP_HOSTS),
+one of them held to about a fifth of a CPU by stopping it 4 ms in every 5 (SIGSTOP/SIGCONT):
+it must be the one named, in the file rank 0 writes.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from launcher.preflight import NodeRow, slow_nodes
+from launcher.rendezvous import free_port
+from tests.fixtures.mpi import REPO_ROOT, clean_environ
+
+
+def _row(node: str, gflops: float, memory: float = 10.0, link: float | None = None) -> NodeRow:
+    return NodeRow(node, 1, gflops, memory, link)
+
+
+@pytest.mark.parametrize(("rows", "expected"), [
+    # one node at a fifth of the others' GEMM: named, with the figure
+    ([_row("n0", 100), _row("n1", 100), _row("n2", 20)], {"n2"}),
+    # healthy spread (here 30 %) names nobody
+    ([_row("n0", 100), _row("n1", 80), _row("n2", 70)], set()),
+    # two nodes: the median is their mean; the slow one is under half of it
+    ([_row("n0", 100), _row("n1", 20)], {"n1"}),
+    # memory alone
+    ([_row("n0", 100, 10), _row("n1", 100, 10), _row("n2", 100, 2)], {"n2"}),
+    # a node whose links are slow, from 3 nodes on
+    ([_row("n0", 100, link=10), _row("n1", 100, link=10), _row("n2", 100, link=1)], {"n2"}),
+    # with 2 nodes one slow link cannot be pinned on either end
+    ([_row("n0", 100, link=1), _row("n1", 100, link=10)], set()),
+    # one node: nothing to compare with
+    ([_row("n0", 1)], set()),
+])
+def test_naming_rule(rows, expected):
+    slow = slow_nodes(rows)
+    assert set(slow) == expected
+    for reason in slow.values():
+        assert "0.5x median" in reason
+
+
+def _throttle(process: subprocess.Popen, stop: threading.Event) -> None:
+    while not stop.is_set() and process.poll() is None:
+        process.send_signal(signal.SIGSTOP)
+        time.sleep(0.004)
+        process.send_signal(signal.SIGCONT)
+        time.sleep(0.001)
+    if process.poll() is None:
+        process.send_signal(signal.SIGCONT)
+
+
+def test_a_slowed_node_is_named(tmp_path):
+    port, world, slow = free_port(), 3, 2
+    out = tmp_path / "slow-nodes"
+    ranks = [subprocess.Popen(
+        [sys.executable, "-m", "launcher.check", "--preflight", "--slow-nodes", str(out),
+         "--backend", "gloo", "--timeout", "60"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT,
+        env=clean_environ({
+            "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": "0",
+            "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port), "DDP_HOSTS": "n0,n1,n2", "OMP_NUM_THREADS": "1",
+        })) for rank in range(world)]
+    stop = threading.Event()
+    throttle = threading.Thread(target=_throttle, args=(ranks[slow], stop), daemon=True)
+    throttle.start()
+    try:
+        outputs = [process.communicate(timeout=240) for process in ranks]
+    finally:
+        stop.set()
+        throttle.join()
+        for process in ranks:
+            process.kill()
+    for process, (_, stderr) in zip(ranks, outputs, strict=True):
+        assert process.returncode == 0, stderr
+    table = outputs[0][0]
+    assert "GEMM GFLOP/s" in table and "n2 " in table, table
+    assert out.read_text() == "n2\n", table
