@@ -32,7 +32,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from launcher import peer_lost
+from launcher import heartbeat, peer_lost
 from launcher.env import JobEnv
 from launcher.errors import EXIT_RANK_FAILED, EXIT_USER_ERROR, LaunchError
 from launcher.peer_lost import quiet_c10d
@@ -245,6 +245,7 @@ class Watchdog:
         """Stop watching (after a run every rank finished)."""
         if self._channel is None:
             return
+        heartbeat.stop()
         self._channel.close()
         self._thread.join(timeout=5)
 
@@ -271,10 +272,14 @@ def start(env: JobEnv, store: dist.Store | None) -> Watchdog:
         return Watchdog(env, None)
     if store is not None:
         peer_lost.enrol(env, store)  # before any failure: a silent rank cannot say it later
-        return Watchdog(env, StoreChannel(env, store))
-    from mpi4py import MPI
+        channel: StoreChannel | MpiChannel = StoreChannel(env, store)
+    else:
+        from mpi4py import MPI
 
-    return Watchdog(env, MpiChannel(env, MPI.COMM_WORLD))
+        channel = MpiChannel(env, MPI.COMM_WORLD)
+    # silence is the failure a failing rank cannot announce: the beats name it
+    heartbeat.start(env, store, peer_lost.NODE_KEY)
+    return Watchdog(env, channel)
 
 
 def end_process(status: int) -> None:

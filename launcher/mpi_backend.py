@@ -78,6 +78,7 @@ import torch.distributed as dist
 from mpi4py import MPI
 from torch._C._distributed_c10d import _create_work_from_future
 
+from launcher import heartbeat
 from launcher.errors import LaunchError, PeerLost
 
 BACKEND_NAME = "mpi4py"
@@ -395,16 +396,16 @@ class MPIProcessGroup(dist.ProcessGroup):
                 # like MPICH's own wait loop: when ranks outnumber free cores, a peer waiting
                 # for a CPU would otherwise wait out this process's whole time slice
                 os.sched_yield()
-            if time.monotonic() > deadline:
-                _abort_at_exit()
+            now = time.monotonic()
+            if now > deadline:
                 what = op if peer is None else f"{op} {peer}"
-                raise PeerLost(
-                    f"{what} on a group of {self._size_} ranks did not complete within "
-                    f"{timedelta(seconds=self._timeout_s)} (this is rank {self._rank_})",
-                    "a peer stopped early, is stuck, or the ranks called collectives in a "
-                    "different order; check the other ranks' logs, or raise the timeout "
-                    "passed to init_process_group/new_group",
-                )
+                try:
+                    heartbeat.overdue(f"{what} on a group of {self._size_} ranks",
+                                      now - deadline + self._timeout_s, self._timeout_s,
+                                      self._rank_)
+                except PeerLost:
+                    _abort_at_exit()
+                    raise
 
     def _run(self, op: str, peer: int | None, start, *args) -> None:
         with self._lock:

@@ -2,23 +2,21 @@
 
 A communication failure (a peer died, the network was cut, a collective timed out) comes out of
 torch as a RuntimeError full of C++ locations. ``diagnose`` turns it into one ``PeerLost``
-naming the ranks and hosts that no longer answer a roll call through the rendezvous store,
-which outlives a broken process group.
+naming the ranks and nodes whose heartbeats stopped (``launcher.heartbeat``).
 """
 
 from __future__ import annotations
 
 import ctypes
 import re
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from launcher import heartbeat
 from launcher.env import JobEnv
 from launcher.errors import PeerLost
 
@@ -26,10 +24,6 @@ from launcher.errors import PeerLost
 HOST_KEY = "ddp/host"
 #: each rank's node name (``JobEnv.node_name``), set in the store by ``enrol``
 NODE_KEY = "ddp/node"
-_ALIVE_KEY = "ddp/alive"
-_DONE_KEY = "ddp/roll-call-read"
-#: how long survivors of a failure wait for each other to answer the roll call
-ROLL_CALL_S = 10.0
 #: what torch and gloo put around the one useful clause: "[/path/pair.cc:553] " and
 #: "Got the following error when running the callback: RuntimeError: " (repeated)
 _NOISE = re.compile(
@@ -70,74 +64,21 @@ def quiet_c10d() -> Iterator[None]:
         level.value = saved
 
 
-#: what to do after a lost peer, wherever it is reported
-HINT = ("look at the named node (died, out of memory, stopped, cut off the network); then run "
-        "the same command again: it continues from the last checkpoint (launcher.train's "
-        "--resume auto, job.resume in a script of your own)")
-
-
 def enrol(env: JobEnv, store: dist.Store) -> None:
-    """Leave this rank's node name in the store, for a roll call that finds it silent."""
+    """Leave this rank's node name in the store, for the ranks that may have to name it."""
     store.set(f"{NODE_KEY}/{env.rank}", env.node_name)
 
 
 def diagnose(env: JobEnv, backend: str, store: dist.Store | None,
              exc: BaseException) -> PeerLost:
-    with quiet_c10d():
-        who, nodes = _roll_call(env, store) if store is not None else (None, ())
-    return PeerLost(
-        f"rank {env.rank} on {env.node_name} lost contact in the {backend} process group"
-        + (f": {who}" if who else "") + f" ({first_line(exc)})",
-        hint=HINT, nodes=nodes,
-    )
-
-
-def _roll_call(env: JobEnv, store: dist.Store) -> tuple[str, tuple[str, ...]]:
-    """Which ranks still answer through the rendezvous store (hosted by rank 0), and the node
-    names of those that do not."""
-    try:
-        silent = _silent_ranks(env, store)
-        hosts = [_host_of(store, rank) for rank in silent]
-        store.set(f"{_DONE_KEY}/{env.rank}", "1")
-        if env.is_main:
-            # the store lives in this process, which exits next: stay until the survivors
-            # have read what they need
-            answered = [r for r in range(env.world_size) if r not in silent]
-            _wait_for(store, [f"{_DONE_KEY}/{r}" for r in answered])
-    except Exception:  # any failure means the same: the store is gone
-        return (f"rank 0's rendezvous store at {env.master_addr}:{env.master_port} does not "
-                f"answer either: rank 0's node is lost, or {env.node_name} is cut off"), ()
+    """``exc`` explained by the heartbeats (``launcher.heartbeat``): which ranks fell silent.
+    ``store`` is not consulted: beats outlive a broken group and a stopped peer alike."""
+    failed = (f"rank {env.rank} on {env.node_name} lost contact in the {backend} process "
+              f"group ({first_line(exc)})")
+    beat = heartbeat.current()
+    if beat is None:
+        return PeerLost(failed, heartbeat.HINT)
+    silent = beat.settle()
     if not silent:
-        return "every rank still answers the rendezvous store", ()
-    names = ", ".join(f"rank {rank} ({host})" for rank, host in zip(silent, hosts, strict=True))
-    return (f"no answer within {ROLL_CALL_S:.0f} s from {names}",
-            tuple(dict.fromkeys(h for h in hosts if h != "?")))
-
-
-def _silent_ranks(env: JobEnv, store: dist.Store) -> list[int]:
-    store.set(f"{_ALIVE_KEY}/{env.rank}", env.hostname)
-    return _wait_for(store, [f"{_ALIVE_KEY}/{rank}" for rank in range(env.world_size)],
-                     missing_as=range(env.world_size))
-
-
-def _wait_for(store: dist.Store, keys: list[str], missing_as=None) -> list:
-    """Wait up to ROLL_CALL_S for ``keys``; the entries of ``missing_as`` (default: the keys)
-    whose key did not appear."""
-    labels = list(missing_as) if missing_as is not None else keys
-    deadline = time.monotonic() + ROLL_CALL_S
-    missing = []
-    for key, label in zip(keys, labels, strict=True):
-        remaining = timedelta(seconds=max(0.1, deadline - time.monotonic()))
-        try:
-            store.wait([key], remaining)
-        except dist.DistStoreError:  # the wait timed out: nobody set that key
-            missing.append(label)
-    return missing
-
-
-def _host_of(store: dist.Store, rank: int) -> str:
-    """The rank's node name where it enrolled, else its host name from the rendezvous."""
-    for key in (f"{NODE_KEY}/{rank}", f"{HOST_KEY}/{rank}"):
-        if store.check([key]):
-            return store.get(key).decode()
-    return "?"
+        return PeerLost(f"{failed}: every rank still beats", heartbeat.HINT)
+    return beat.lost(failed, silent)

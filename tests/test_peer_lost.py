@@ -15,9 +15,8 @@ import sys
 import time
 
 import pytest
-import torch.distributed as dist
 
-from launcher import peer_lost
+from launcher import heartbeat
 from launcher.env import detect_environment
 from launcher.errors import EXIT_PEER_LOST, PeerLost
 from launcher.rendezvous import free_port
@@ -35,20 +34,31 @@ def test_node_name_is_the_node_lists_entry_else_the_hostname(hosts, expected):
     assert env.node_name == expected
 
 
-def test_roll_call_names_the_silent_ranks_nodes(monkeypatch):
-    monkeypatch.setattr(peer_lost, "ROLL_CALL_S", 0.3)
-    store = dist.HashStore()
-    env = detect_environment({"RANK": "1", "WORLD_SIZE": "3", "LOCAL_RANK": "0",
-                              "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                              "MASTER_PORT": "29500", "DDP_HOSTS": "n0,n1,n2"}, hostname="n1")
-    for rank, node in enumerate(["n0", "n1", "n2"]):
-        store.set(f"{peer_lost.NODE_KEY}/{rank}", node)
-    store.set(f"{peer_lost.HOST_KEY}/2", "box")
-    store.set(f"{peer_lost._ALIVE_KEY}/0", "n0")  # rank 0 answers, rank 2 is silent
-    lost = peer_lost.diagnose(env, "gloo", store, RuntimeError("Connection reset by peer"))
+class _Beats:
+    """Beats from the ranks in ``alive`` only; ``nodes`` as a transport gathers them."""
+
+    nodes = ["n0", "n1", "n2"]
+
+    def __init__(self, alive: set[int]):
+        self.alive = alive
+
+    def exchange(self) -> set[int]:
+        return self.alive
+
+
+def test_heartbeat_names_the_silent_ranks_nodes(monkeypatch):
+    monkeypatch.setattr(heartbeat, "SILENT_S", 0.5)
+    monkeypatch.setattr(heartbeat, "BEAT_S", 0.05)
+    env = dataclasses.replace(detect_environment({}, hostname="box"), rank=1, world_size=3)
+    beat = heartbeat.Heartbeat(env, _Beats({0, 1}))
+    try:
+        assert beat.silent() == []  # not silent for long yet
+        lost = beat.lost("the all_reduce failed", beat.settle())
+    finally:
+        beat.close()
     assert isinstance(lost, PeerLost)
     assert lost.nodes == ("n2",)
-    assert "rank 2 (n2)" in lost.message and "rank 0 (" not in lost.message
+    assert "no heartbeat for 0 s from rank 2 (n2)" in lost.message, lost.message
 
 
 def _start_ranks(tmp_path) -> list[subprocess.Popen]:
