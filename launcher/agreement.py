@@ -22,7 +22,9 @@ from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d
 
+from launcher import heartbeat
 from launcher.errors import LaunchError
 
 
@@ -43,7 +45,7 @@ def _settle(error: LaunchError | None) -> None:
             raise _everywhere(error)
         return
     flag = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=_comm_device())
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    _max(flag)
     if int(flag.item()) == 0:
         return
     messages: list[object] = [None] * dist.get_world_size()
@@ -54,6 +56,25 @@ def _settle(error: LaunchError | None) -> None:
     ranks = ", ".join(str(rank) for rank, _ in failed)
     first_message, first_hint = failed[0][1]
     raise _everywhere(LaunchError(f"rank {ranks} failed: {first_message}", hint=first_hint))
+
+
+def _max(flag: torch.Tensor) -> None:
+    """The ranks meet here while one writes a checkpoint or evaluates: past the group's
+    timeout the wait goes on while every peer still beats (``launcher.heartbeat``). gloo times
+    a collective out by itself, so it gets BUSY_LIMIT times the timeout here; the mpi backend
+    asks the heartbeats in every wait; NCCL keeps its own timeout."""
+    if dist.get_backend() != "gloo" or heartbeat.current() is None:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return
+    group = distributed_c10d._get_default_group()
+    timeout = group._get_backend(torch.device("cpu")).options._timeout
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.MAX
+    opts.timeout = timeout * heartbeat.BUSY_LIMIT
+    work = group.allreduce([flag], opts)
+    heartbeat.wait_busy(work.is_completed, timeout.total_seconds(), "the ranks' agreement",
+                        dist.get_rank())
+    work.wait()  # raises what failed it
 
 
 def _everywhere(error: LaunchError) -> LaunchError:
