@@ -90,7 +90,7 @@ def imb_across(prefix: str, nodes: int, impi: str) -> dict[int, float]:
     return imb.parse(output)
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--image", default=cs.DEFAULT_IMAGE, help="project image (ddp:cpu)")
     parser.add_argument("--nodes", type=int, default=2, help="cluster size (default 2)")
@@ -106,8 +106,11 @@ def main() -> int:
                         help="with --imb: jobs of each, taking turns")
     parser.add_argument("--backends", default="mpi,gloo",
                         help="backends of the weak-scaling runs, comma-separated")
-    args = parser.parse_args()
+    return parser.parse_args()
 
+
+def measure(args) -> dict:
+    """Every measurement on a cluster started for them and removed afterwards."""
     project = f"ddpbench{os.getpid()}"
     prefix = f"{project}-"
     # other jobs on the machine move every figure: the load they made is part of the result
@@ -132,7 +135,11 @@ def main() -> int:
     if left:
         raise SystemExit(f"the benchmark cluster left behind: {left}")
     results["machine"] = f"{platform.node()} {platform.machine()}, {os.cpu_count()} cores"
+    return results
 
+
+def report(results: dict, args) -> None:
+    """The tables, and the JSON and plots beside ``--json``."""
     rows = [(f"{args.nodes}-node cluster: up to healthy", results["healthy_s"], None),
             ("invoke run to first training step", results["first_step_s"],
              GOALS["first_step_s"]),
@@ -160,6 +167,11 @@ def main() -> int:
         print(f"wrote {path} and {plots.scaling(bars, title, path)}")
     Path(args.json).write_text(json.dumps({"results": results, "goals": GOALS}, indent=2) + "\n")
     print(f"wrote {args.json}")
+
+
+def main() -> int:
+    args = parse_args()
+    report(measure(args), args)
     return 0
 
 
