@@ -14,6 +14,8 @@ from pathlib import Path
 
 import yaml
 
+from ddp_tasks import flavors
+from ddp_tasks import image_commands as ic
 from launcher import shm
 from launcher.errors import LaunchError
 
@@ -27,8 +29,8 @@ RUNS_DIR = ROOT / "runs" / "cluster"
 
 DEFAULT_NODES = 3
 DEFAULT_PROJECT = "ddp"
-DEFAULT_IMAGE = "ddp:cpu"
-DEFAULT_SLURM_IMAGE = "ddp-slurm:cpu"
+DEFAULT_IMAGE = ic.image_tag(ic.DEFAULT_NAME, flavors.DEFAULT)
+DEFAULT_SLURM_IMAGE = ic.image_tag(f"{ic.DEFAULT_NAME}-slurm", flavors.DEFAULT)
 #: compose reads the image from the environment, so one file serves every tag
 IMAGE_REF = "${DDP_IMAGE:-" + DEFAULT_IMAGE + "}"
 #: container names are the host names (``docker exec node0``) unless clusters share an engine,
