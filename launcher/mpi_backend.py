@@ -65,10 +65,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
-import functools
 import os
-import re
 import threading
 import time
 from datetime import timedelta
@@ -79,40 +76,12 @@ from mpi4py import MPI
 from torch._C._distributed_c10d import _create_work_from_future
 
 from launcher import heartbeat
+from launcher import mpi_buffers as mb
 from launcher.errors import LaunchError, PeerLost
 
-BACKEND_NAME = "mpi4py"
+BACKEND_NAME = mb.BACKEND_NAME
 
 _RedOp = dist.ReduceOp.RedOpType
-
-#: torch dtype -> MPI datatype for data movement; 16-bit floats move as raw words
-_DATATYPES = {
-    torch.float32: MPI.FLOAT,
-    torch.float64: MPI.DOUBLE,
-    torch.float16: MPI.UINT16_T,
-    torch.bfloat16: MPI.UINT16_T,
-    torch.complex64: MPI.C_FLOAT_COMPLEX,
-    torch.complex128: MPI.C_DOUBLE_COMPLEX,
-    torch.int8: MPI.INT8_T,
-    torch.int16: MPI.INT16_T,
-    torch.int32: MPI.INT32_T,
-    torch.int64: MPI.INT64_T,
-    torch.uint8: MPI.UINT8_T,
-    torch.uint16: MPI.UINT16_T,
-    torch.uint32: MPI.UINT32_T,
-    torch.uint64: MPI.UINT64_T,
-    torch.bool: MPI.C_BOOL,
-}
-_HALF = (torch.float16, torch.bfloat16)
-
-_ARITHMETIC = {_RedOp.SUM: MPI.SUM, _RedOp.AVG: MPI.SUM, _RedOp.PRODUCT: MPI.PROD,
-               _RedOp.MIN: MPI.MIN, _RedOp.MAX: MPI.MAX}
-_BITWISE = {_RedOp.BAND: MPI.BAND, _RedOp.BOR: MPI.BOR, _RedOp.BXOR: MPI.BXOR}
-_LOGICAL = {_RedOp.SUM: MPI.LOR, _RedOp.MAX: MPI.LOR, _RedOp.BOR: MPI.LOR,
-            _RedOp.PRODUCT: MPI.LAND, _RedOp.MIN: MPI.LAND, _RedOp.BAND: MPI.LAND,
-            _RedOp.BXOR: MPI.LXOR}
-
-_CPU = torch.device("cpu")
 
 #: int32 words of the all_reduce each new communicator checks itself with: 4 MiB, above
 #: MPICH's threshold for single-copy (CMA) transfers even when split among many ranks
@@ -133,110 +102,6 @@ def register() -> str:
             BACKEND_NAME, _create, extended_api=True, devices=["cpu", "cuda"]
         )
     return BACKEND_NAME
-
-
-@functools.cache
-def _mpi_cuda_support() -> bool | None:
-    """What the MPI library says about CUDA buffers; None if it can't say.
-
-    mpi4py 4.1 does not wrap ``MPIX_Query_cuda_support`` (MPICH and Open MPI both export
-    it), so it is called in the libmpi mpi4py loaded.
-    """
-    query = getattr(MPI, "Query_cuda_support", None)
-    if query is not None:
-        return bool(query())
-    with open("/proc/self/maps") as maps:
-        paths = set(re.findall(r"/\S*/libmpi[^/\s]*\.so[.\d]*", maps.read()))
-    for path in sorted(paths):
-        function = getattr(ctypes.CDLL(path), "MPIX_Query_cuda_support", None)
-        if function is not None:
-            function.restype = ctypes.c_int
-            return bool(function())
-    return None
-
-
-def _cuda_aware() -> bool:
-    return bool(_mpi_cuda_support())
-
-
-_reductions: dict = {}
-
-
-def _reduction(dtype: torch.dtype, op) -> tuple[MPI.Op, torch.dtype, bool]:
-    """The MPI op for ``op`` on ``dtype``, the dtype to compute in, and whether to average."""
-    kind = getattr(op, "op", op)  # a ReduceOp wraps its RedOpType; the enum may come bare
-    key = (dtype, kind.value)  # an int: hashing and comparing pybind enums is slow
-    try:
-        return _reductions[key]
-    except KeyError:
-        pass
-    if dtype == torch.bool:
-        table, compute = _LOGICAL, dtype
-    elif dtype.is_floating_point or dtype.is_complex:
-        table, compute = _ARITHMETIC, torch.float32 if dtype in _HALF else dtype
-        if dtype.is_complex and kind in (_RedOp.MIN, _RedOp.MAX):
-            table = {}
-    else:
-        table, compute = {**_ARITHMETIC, **_BITWISE}, dtype
-        table.pop(_RedOp.AVG)
-    if kind not in table:
-        raise LaunchError(
-            f"the {BACKEND_NAME} backend cannot reduce {dtype} tensors with ReduceOp.{kind.name}",
-            "use SUM/PRODUCT/MIN/MAX, AVG only for floating dtypes, BAND/BOR/BXOR only for "
-            "integer and bool dtypes, no MIN/MAX for complex; cast the tensor if needed",
-        )
-    result = _reductions[key] = (table[kind], compute, kind == _RedOp.AVG)
-    return result
-
-
-def _addressable(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """``t`` as a contiguous tensor MPI can read by address: ``t`` itself when it already is."""
-    if t.is_cpu and (dtype is None or dtype == t.dtype) and t.is_contiguous():
-        return t
-    if t.is_cuda and _cuda_aware():
-        out = t.detach().to(dtype=dtype).contiguous()
-        torch.cuda.current_stream(t.device).synchronize()
-        return out
-    # .to() keeps a non-contiguous layout; .contiguous() is what makes one dense copy
-    return t.detach().to(device=_CPU, dtype=dtype).contiguous()
-
-
-def _spec(t: torch.Tensor, blocks: int = 1) -> list:
-    """An mpi4py buffer spec over the memory of contiguous ``t``, without a copy.
-
-    MPI counts gather/scatter buffers per rank: ``blocks`` splits ``t`` into that many.
-    """
-    n = t.numel()
-    return [MPI.buffer.fromaddress(t.data_ptr(), n * t.element_size()), n // blocks,
-            _DATATYPES[t.dtype]]
-
-
-def _slices(t: torch.Tensor, max_bytes: int) -> list[torch.Tensor]:
-    """Contiguous ``t`` as consecutive flat views of at most ``max_bytes``; none when empty."""
-    if t.numel() * t.element_size() <= max_bytes:
-        return [t] if t.numel() else []  # the common case, without the cost of views
-    flat = t.view(-1)
-    step = max(1, max_bytes // t.element_size())
-    return [flat[i:i + step] for i in range(0, flat.numel(), step)]
-
-
-def _write_back(dst: torch.Tensor, src: torch.Tensor) -> None:
-    if src is not dst:
-        dst.detach().copy_(src)
-
-
-def _flat(tensors: list[torch.Tensor], dtype: torch.dtype | None = None) -> torch.Tensor:
-    """One contiguous CPU tensor holding ``tensors`` back to back (a copy)."""
-    dtype = dtype or tensors[0].dtype
-    return torch.cat([t.detach().reshape(-1).to(device=_CPU, dtype=dtype) for t in tensors])
-
-
-def _unflat(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
-    offset = 0
-    for t in tensors:
-        n = t.numel()
-        t.detach().copy_(flat[offset:offset + n].view(t.shape))
-        offset += n
 
 
 def _finished(result, opts) -> dist.Work | None:
@@ -279,7 +144,7 @@ class _RequestWork(dist._Work):
 
     def _finish(self) -> None:
         if self._tensor is not None:
-            _write_back(self._tensor, self._buf)
+            mb.write_back(self._tensor, self._buf)
         self._finished = True
 
     def is_success(self) -> bool:
@@ -359,7 +224,7 @@ class MPIProcessGroup(dist.ProcessGroup):
         """
         probe = torch.full((_PROBE_WORDS,), self._rank_ + 1, dtype=torch.int32)
         self._run("transport check all_reduce", None, self._comm.Iallreduce, MPI.IN_PLACE,
-                  _spec(probe), MPI.SUM)
+                  mb.spec(probe), MPI.SUM)
         good = bool((probe == self._size_ * (self._size_ + 1) // 2).all())
         bad = [r for r, ok in enumerate(self._comm.allgather(good)) if not ok]
         if bad:
@@ -423,14 +288,14 @@ class MPIProcessGroup(dist.ProcessGroup):
             tensors = [tensors]
         op = _RedOp.SUM if opts is None else opts.reduceOp
         for t in tensors:
-            mpi_op, compute, average = _reduction(t.dtype, op)
-            buf = _addressable(t, compute)
-            for part in _slices(buf, ALLREDUCE_SLICE_BYTES):
-                self._run("all_reduce", None, self._comm.Iallreduce, MPI.IN_PLACE, _spec(part),
+            mpi_op, compute, average = mb.reduction(t.dtype, op)
+            buf = mb.addressable(t, compute)
+            for part in mb.slices(buf, ALLREDUCE_SLICE_BYTES):
+                self._run("all_reduce", None, self._comm.Iallreduce, MPI.IN_PLACE, mb.spec(part),
                           mpi_op)
             if average:
                 self._average(buf)
-            _write_back(t, buf)
+            mb.write_back(t, buf)
         return _finished(tensors, opts)
 
     def allreduce_coalesced(self, tensors, opts=None) -> dist.Work | None:
@@ -440,45 +305,45 @@ class MPIProcessGroup(dist.ProcessGroup):
         root = opts.rootRank
         at_root = self._rank_ == root
         for t in tensors:
-            mpi_op, compute, average = _reduction(t.dtype, opts.reduceOp)
-            buf = _addressable(t, compute)
+            mpi_op, compute, average = mb.reduction(t.dtype, opts.reduceOp)
+            buf = mb.addressable(t, compute)
             if buf.numel():
                 self._run("reduce to root rank", root, self._comm.Ireduce,
-                          MPI.IN_PLACE if at_root else _spec(buf), _spec(buf), mpi_op, root)
+                          MPI.IN_PLACE if at_root else mb.spec(buf), mb.spec(buf), mpi_op, root)
             if at_root:
                 if average:
                     self._average(buf)
-                _write_back(t, buf)
+                mb.write_back(t, buf)
         return _finished(tensors, opts)
 
     def _reduce_scatter(self, output: torch.Tensor, flat: torch.Tensor, op) -> None:
         """Reduce ``flat`` (``size`` blocks, contiguous, compute dtype) into ``output``."""
-        mpi_op, compute, average = _reduction(output.dtype, op)
-        out = _addressable(output, compute)
+        mpi_op, compute, average = mb.reduction(output.dtype, op)
+        out = mb.addressable(output, compute)
         if out.numel():
             self._run("reduce_scatter", None, self._comm.Ireduce_scatter_block,
-                      _spec(flat, self._size_), _spec(out), mpi_op)
+                      mb.spec(flat, self._size_), mb.spec(out), mpi_op)
         if average:
             self._average(out)
-        _write_back(output, out)
+        mb.write_back(output, out)
 
     def reduce_scatter(self, outputs, input_lists, opts) -> dist.Work | None:
         for output, inputs in zip(outputs, input_lists, strict=True):
-            _, compute, _ = _reduction(output.dtype, opts.reduceOp)
-            self._reduce_scatter(output, _flat(inputs, compute), opts.reduceOp)
+            _, compute, _ = mb.reduction(output.dtype, opts.reduceOp)
+            self._reduce_scatter(output, mb.flat(inputs, compute), opts.reduceOp)
         return _finished(outputs, opts)
 
     def reduce_scatter_single(self, output, input, opts) -> dist.Work | None:  # noqa: A002
-        _, compute, _ = _reduction(output.dtype, opts.reduceOp)
-        self._reduce_scatter(output, _addressable(input, compute), opts.reduceOp)
+        _, compute, _ = mb.reduction(output.dtype, opts.reduceOp)
+        self._reduce_scatter(output, mb.addressable(input, compute), opts.reduceOp)
         return _finished([output], opts)
 
     _reduce_scatter_base = reduce_scatter_single
 
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts) -> dist.Work | None:
         for output, input_ in zip(outputs, inputs, strict=True):
-            _, compute, _ = _reduction(output.dtype, opts.reduceOp)
-            self._reduce_scatter(output, _addressable(input_, compute), opts.reduceOp)
+            _, compute, _ = mb.reduction(output.dtype, opts.reduceOp)
+            self._reduce_scatter(output, mb.addressable(input_, compute), opts.reduceOp)
         return _finished(outputs, opts)
 
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
@@ -490,31 +355,31 @@ class MPIProcessGroup(dist.ProcessGroup):
             tensors = [tensors]
         root = opts.rootRank
         for t in tensors:
-            buf = _addressable(t)
+            buf = mb.addressable(t)
             if buf.numel():
-                self._run("broadcast from root rank", root, self._comm.Ibcast, _spec(buf), root)
+                self._run("broadcast from root rank", root, self._comm.Ibcast, mb.spec(buf), root)
             if self._rank_ != root:
-                _write_back(t, buf)
+                mb.write_back(t, buf)
         return _finished(tensors, opts)
 
     def allgather(self, output_lists, inputs, opts=None) -> dist.Work | None:
         for outputs, t in zip(output_lists, inputs, strict=True):
-            buf = _addressable(t)
+            buf = mb.addressable(t)
             flat = torch.empty(buf.numel() * self._size_, dtype=buf.dtype)
             if buf.numel():
-                self._run("all_gather", None, self._comm.Iallgather, _spec(buf),
-                          _spec(flat, self._size_))
-            _unflat(flat, outputs)
+                self._run("all_gather", None, self._comm.Iallgather, mb.spec(buf),
+                          mb.spec(flat, self._size_))
+            mb.unflat(flat, outputs)
         return _finished(output_lists, opts)
 
     def _allgather_into(self, output: torch.Tensor, input_: torch.Tensor) -> None:
-        out, buf = _addressable(output), _addressable(input_)
+        out, buf = mb.addressable(output), mb.addressable(input_)
         if buf.numel():
             # FSDP gathers in place: the input is this rank's block of the output
             in_place = buf.data_ptr() == out.data_ptr() + self._rank_ * buf.nbytes
             self._run("all_gather_into_tensor", None, self._comm.Iallgather,
-                      MPI.IN_PLACE if in_place else _spec(buf), _spec(out, self._size_))
-        _write_back(output, out)
+                      MPI.IN_PLACE if in_place else mb.spec(buf), mb.spec(out, self._size_))
+        mb.write_back(output, out)
 
     def all_gather_single(self, output, input, opts=None) -> dist.Work | None:  # noqa: A002
         self._allgather_into(output, input)
@@ -535,23 +400,23 @@ class MPIProcessGroup(dist.ProcessGroup):
     def gather(self, output_lists, inputs, opts) -> dist.Work | None:
         root = opts.rootRank
         at_root = self._rank_ == root
-        buf = _addressable(inputs[0])
+        buf = mb.addressable(inputs[0])
         flat = torch.empty(buf.numel() * self._size_ if at_root else 0, dtype=buf.dtype)
         if buf.numel():
-            self._run("gather to root rank", root, self._comm.Igather, _spec(buf),
-                      _spec(flat, self._size_) if at_root else None, root)
+            self._run("gather to root rank", root, self._comm.Igather, mb.spec(buf),
+                      mb.spec(flat, self._size_) if at_root else None, root)
         if at_root:
-            _unflat(flat, output_lists[0])
+            mb.unflat(flat, output_lists[0])
         return _finished(output_lists, opts)
 
     def scatter(self, outputs, input_lists, opts) -> dist.Work | None:
         root = opts.rootRank
-        out = _addressable(outputs[0])
-        flat = _flat(input_lists[0]) if self._rank_ == root else None
+        out = mb.addressable(outputs[0])
+        flat = mb.flat(input_lists[0]) if self._rank_ == root else None
         if out.numel():
             self._run("scatter from root rank", root, self._comm.Iscatter,
-                      None if flat is None else _spec(flat, self._size_), _spec(out), root)
-        _write_back(outputs[0], out)
+                      None if flat is None else mb.spec(flat, self._size_), mb.spec(out), root)
+        mb.write_back(outputs[0], out)
         return _finished(outputs, opts)
 
     def _alltoallv(self, out: torch.Tensor, recv_counts: list[int], inp: torch.Tensor,
@@ -561,21 +426,21 @@ class MPIProcessGroup(dist.ProcessGroup):
         for i in range(1, self._size_):
             send_displs[i] = send_displs[i - 1] + send_counts[i - 1]
             recv_displs[i] = recv_displs[i - 1] + recv_counts[i - 1]
-        send, recv = _spec(inp), _spec(out)
+        send, recv = mb.spec(inp), mb.spec(out)
         self._run("all_to_all", None, self._comm.Ialltoallv,
                   [send[0], (send_counts, send_displs), send[2]],
                   [recv[0], (recv_counts, recv_displs), recv[2]])
 
     def alltoall(self, outputs, inputs, opts=None) -> dist.Work | None:
         flat_out = torch.empty(sum(t.numel() for t in outputs), dtype=outputs[0].dtype)
-        self._alltoallv(flat_out, [t.numel() for t in outputs], _flat(inputs),
+        self._alltoallv(flat_out, [t.numel() for t in outputs], mb.flat(inputs),
                         [t.numel() for t in inputs])
-        _unflat(flat_out, outputs)
+        mb.unflat(flat_out, outputs)
         return _finished(outputs, opts)
 
     def all_to_all_single(self, output, input, output_split_sizes,  # noqa: A002
                           input_split_sizes, opts=None) -> dist.Work | None:
-        out, inp = _addressable(output), _addressable(input)
+        out, inp = mb.addressable(output), mb.addressable(input)
         n = self._size_
 
         def counts(t: torch.Tensor, splits) -> list[int]:
@@ -586,7 +451,7 @@ class MPIProcessGroup(dist.ProcessGroup):
             return [s * row for s in splits]
 
         self._alltoallv(out, counts(out, output_split_sizes), inp, counts(inp, input_split_sizes))
-        _write_back(output, out)
+        mb.write_back(output, out)
         return _finished([output], opts)
 
     alltoall_base = all_to_all_single
@@ -598,9 +463,9 @@ class MPIProcessGroup(dist.ProcessGroup):
     # -- point to point --------------------------------------------------------------------
 
     def send(self, tensors, dst: int, tag: int = 0) -> dist.Work:
-        buf = _addressable(tensors[0])
+        buf = mb.addressable(tensors[0])
         with self._lock:
-            request = self._comm.Isend(_spec(buf), dst, tag)
+            request = self._comm.Isend(mb.spec(buf), dst, tag)
         return _RequestWork(self, request, "send to rank", dst, buf, None)
 
     def recv(self, tensors, src: int, tag: int = 0) -> dist.Work:
@@ -610,9 +475,9 @@ class MPIProcessGroup(dist.ProcessGroup):
         return self._irecv(tensors[0], MPI.ANY_SOURCE, tag)
 
     def _irecv(self, t: torch.Tensor, src: int, tag: int) -> dist.Work:
-        buf = _addressable(t)
+        buf = mb.addressable(t)
         with self._lock:
-            request = self._comm.Irecv(_spec(buf), src, tag)
+            request = self._comm.Irecv(mb.spec(buf), src, tag)
         if src == MPI.ANY_SOURCE:
             return _RequestWork(self, request, "recv from any rank", None, buf, t)
         return _RequestWork(self, request, "recv from rank", src, buf, t)

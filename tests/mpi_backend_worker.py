@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from mpi4py import MPI
 
-from launcher import mpi_backend
+from launcher import mpi_backend, mpi_buffers
 from launcher.errors import LaunchError, report_and_exit
 
 WORLD = MPI.COMM_WORLD
@@ -407,7 +407,7 @@ def scenario_cuda() -> None:
         dist.all_gather_into_tensor(out, cpu.to(device))
         results[device] = [x.cpu() for x in (t, b, out)]
     same = all(torch.equal(a, b) for a, b in zip(results["cpu"], results["cuda"], strict=True))
-    emit(same=same, cuda_aware=mpi_backend._cuda_aware())
+    emit(same=same, cuda_aware=mpi_buffers.cuda_aware())
     dist.destroy_process_group()
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from launcher import mpi_backend, mpi_library
+from launcher import mpi_backend, mpi_buffers, mpi_library
 from launcher.errors import LaunchError
 from tests.fixtures.docker import COLD_BUILD_TIMEOUT
 from tests.fixtures.gpu import needs_gpu
@@ -50,18 +50,18 @@ def test_register_is_idempotent_and_claims_cpu_and_cuda():
 
 def test_contiguous_cpu_tensors_reach_mpi_without_a_copy():
     t = torch.arange(12, dtype=torch.float32)
-    assert mpi_backend._addressable(t) is t
+    assert mpi_buffers.addressable(t) is t
     strided = torch.arange(24, dtype=torch.float32).view(12, 2)[:, 0]
-    staged = mpi_backend._addressable(strided)
+    staged = mpi_buffers.addressable(strided)
     assert staged.is_contiguous() and staged.data_ptr() != strided.data_ptr()
     assert torch.equal(staged, strided)
 
 
 def test_half_precision_reductions_are_computed_in_float32():
     for dtype in (torch.float16, torch.bfloat16):
-        _, compute, _ = mpi_backend._reduction(dtype, dist.ReduceOp.SUM)
+        _, compute, _ = mpi_buffers.reduction(dtype, dist.ReduceOp.SUM)
         assert compute == torch.float32
-        assert mpi_backend._addressable(torch.ones(3, dtype=dtype), compute).dtype == torch.float32
+        assert mpi_buffers.addressable(torch.ones(3, dtype=dtype), compute).dtype == torch.float32
 
 
 @pytest.mark.parametrize(("dtype", "op"), [
@@ -71,7 +71,7 @@ def test_half_precision_reductions_are_computed_in_float32():
 ])
 def test_unsupported_reductions_name_the_dtype_and_op(dtype, op):
     with pytest.raises(LaunchError) as error:
-        mpi_backend._reduction(dtype, op)
+        mpi_buffers.reduction(dtype, op)
     assert str(dtype) in error.value.message and op.name in error.value.message
     assert error.value.hint
 
@@ -191,8 +191,8 @@ def test_threads_share_the_group(thread_level):
 def test_the_mpi_library_is_asked_about_cuda_support():
     """MPICH from PyPI is built without CUDA: it must answer (not None) and say no, so CUDA
     tensors would be staged through host memory."""
-    assert mpi_backend._mpi_cuda_support() is False
-    assert mpi_backend._cuda_aware() is False
+    assert mpi_buffers.mpi_cuda_support() is False
+    assert mpi_buffers.cuda_aware() is False
 
 
 @pytest.mark.mpi
