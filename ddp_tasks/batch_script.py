@@ -114,13 +114,14 @@ def _check(launch: Launch, batch: Batch) -> None:
 
 
 def _directives(launch: Launch, batch: Batch) -> list[str]:
-    nodes = (f"{launch.nodes}-{batch.max_nodes}" if batch.max_nodes > launch.nodes
-             else str(launch.nodes))
-    directives = [
-        f"--job-name={batch.job_name}",
-        f"--nodes={nodes}",
-        f"--ntasks-per-node={launch.procs_per_node}",
-    ]
+    directives = [f"--job-name={batch.job_name}"]
+    if batch.max_nodes > launch.nodes:
+        # with --ntasks-per-node Slurm counts the tasks from the minimum and starts on the
+        # fewest nodes; with the CPUs per node instead it takes as many as it can (22.05)
+        cpus = launch.procs_per_node * max(launch.cpus_per_task, 1)
+        directives += [f"--nodes={launch.nodes}-{batch.max_nodes}", f"--mincpus={cpus}"]
+    else:
+        directives += [f"--nodes={launch.nodes}", f"--ntasks-per-node={launch.procs_per_node}"]
     if launch.gpus_per_node:
         directives.append(f"--gpus-per-node={launch.gpus_per_node}")
     if launch.cpus_per_task:

@@ -162,7 +162,7 @@ def test_a_failed_preflight_ends_the_job(tmp_path):
 def test_a_node_range_runs_the_step_on_the_nodes_given(tmp_path):
     result, _ = _run_stubbed(tmp_path, Batch(max_nodes=3), "exit 0")
     assert result.returncode == 0
-    assert "#SBATCH --nodes=2-3\n" in (tmp_path / "job.sh").read_text()
+    assert "#SBATCH --nodes=2-3\n#SBATCH --mincpus=1\n" in (tmp_path / "job.sh").read_text()
     assert (tmp_path / "srun").read_text().startswith("--nodes 2 --ntasks-per-node 1 ")
 
 

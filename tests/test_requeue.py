@@ -26,9 +26,10 @@ from tests.fixtures.mpi import REPO_ROOT, json_objects
 from tests.test_batch_endings import attempts
 
 #: small and quick, and still >= 0.95 test accuracy (epoch 3 reaches ~0.97); checkpoints
-#: every 10 steps, so the requeued attempt resumes mid-run
-TRAIN_FLAGS = ("--epochs", "4", "--checkpoint-every", "10", "--resume", "auto",
-               "--timeout-s", "30")
+#: every 10 steps, so the requeued attempt resumes mid-run; a global batch of 48 divides into
+#: 3 ranks and 2
+TRAIN_FLAGS = ("--epochs", "4", "--global-batch-size", "48", "--checkpoint-every", "10",
+               "--resume", "auto", "--timeout-s", "30")
 #: first attempt, requeue hold (cred_expire=30 + 1 s) and the second attempt
 JOB_TIMEOUT = 420
 
@@ -118,13 +119,13 @@ def _assert_completed(cluster, job_id: int, tmp_path: Path) -> str:
 @pytest.mark.parametrize("backend", ["auto", "gloo"])
 def test_lost_node_is_left_out_of_the_requeued_job(slurm_cluster3, tmp_path, shm_unchanged,
                                                     backend):
-    """--nodes 2-3: kill every rank on the second node mid-run; the job requeues by itself,
-    never lands on that node again, and finishes with equal hashes. ``auto`` is MPI under
-    srun --mpi=pmi2 on CPU."""
+    """2 nodes of 3: kill every rank on the second node mid-run; the job requeues by itself,
+    never lands on that node again (the spare takes its place), and finishes with equal
+    hashes. ``auto`` is MPI under srun --mpi=pmi2 on CPU."""
     launch = Launch(nodes=2, procs_per_node=1, launcher="srun", runtime="none",
                     args=_train_args(tmp_path, "--backend", backend))
     batch = Batch(job_name="lost", time="00:10:00", output=str(tmp_path / "job-%j.out"),
-                  max_nodes=3, max_restarts=2)
+                  max_restarts=2)
     job_id = _submit(slurm_cluster3, tmp_path, launch, batch)
     _wait_for_step(tmp_path / "run", 12)
     first_nodes = slurm_cluster3.job_fields(job_id)["NodeList"]
@@ -141,6 +142,28 @@ def test_lost_node_is_left_out_of_the_requeued_job(slurm_cluster3, tmp_path, shm
     assert victim not in later and len(later) == 2, (nodes_2, output)
     assert slurm_cluster3.job_fields(job_id)["ExcNodeList"] == victim
     assert "resuming from" in output, output
+
+
+@pytest.mark.slurm
+def test_the_job_continues_on_the_nodes_left(slurm_cluster3, tmp_path, shm_unchanged):
+    """--nodes 2-3 starts on all three; one is lost, and the requeued job resumes the 3-rank
+    checkpoint on the 2 nodes left."""
+    launch = Launch(nodes=2, procs_per_node=1, launcher="srun", runtime="none",
+                    args=_train_args(tmp_path, "--backend", "gloo"))
+    batch = Batch(job_name="shrink", time="00:10:00", output=str(tmp_path / "job-%j.out"),
+                  max_nodes=3)
+    job_id = _submit(slurm_cluster3, tmp_path, launch, batch)
+    _wait_for_step(tmp_path / "run", 12)
+    nodes = slurm_cluster3.job_fields(job_id)["NodeList"]
+    assert slurm_cluster3.scontrol(["show", "hostnames", nodes]).split() == ["n0", "n1", "n2"]
+    victim = _kill_node_1(job_id)
+    output = _assert_completed(slurm_cluster3, job_id, tmp_path)
+    (_, ending_1), (nodes_2, ending_2) = attempts(tmp_path / "run")
+    assert ending_1.startswith(f"exit 3, lost {victim}: restart 1 of 3"), ending_1
+    left = slurm_cluster3.scontrol(["show", "hostnames", nodes_2]).split()
+    assert left == sorted({"n0", "n1", "n2"} - {victim}), (nodes_2, output)
+    assert "training mlp on digits: 3 rank(s)" in output
+    assert "training mlp on digits: 2 rank(s)" in output
 
 
 def _kill_node_1(job_id: int) -> str:

@@ -2,7 +2,7 @@
 # Written by `invoke sbatch`; docs/launching.md explains each line.
 #SBATCH --job-name=ddp
 #SBATCH --nodes=2-3
-#SBATCH --ntasks-per-node=2
+#SBATCH --mincpus=2
 #SBATCH --time=01:00:00
 #SBATCH --signal=USR1@60
 #SBATCH --requeue
