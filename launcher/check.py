@@ -282,13 +282,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="seconds before a collective that does not complete is an error")
     parser.add_argument("--json", action="store_true",
                         help="print one machine-readable summary line on rank 0, no table")
-    parser.add_argument("--preflight", action="store_true",
-                        help="instead: measure every node's GEMM and memory speed and every node "
-                        "pair's bandwidth over the one --backend, name nodes under half the median "
-                        "(launcher.preflight); exit 0 once measured")
-    parser.add_argument("--slow-nodes", type=Path, metavar="FILE",
-                        help="with --preflight: rank 0 writes the slow nodes' names here, one per "
-                        "line (an empty file when every node is fine)")
+    parser.add_argument("--preflight", action="store_true", help="instead: measure each node "
+                        "and node pair, name the slow nodes (launcher.preflight)")
+    parser.add_argument("--slow-nodes", type=Path, metavar="FILE", help="with --preflight: "
+                        "rank 0 writes their names here, one per line (empty: all fine)")
     return parser.parse_args(argv)
 
 
@@ -302,18 +299,10 @@ def main(argv: list[str] | None = None) -> int:
             raise LaunchError(f"unknown backend {', '.join(unknown) or '(none)'} in --backend",
                               hint=f"use one or more of: {', '.join(BACKEND_CHOICES)}")
         if args.preflight or args.slow_nodes:
-            return _preflight(env, backends, args)
+            from launcher import preflight  # it gathers through this module
+
+            return preflight.run(env, backends, args.timeout, args.slow_nodes, args.preflight)
         return run_check(env, backends, args.timeout, args.json)
-
-
-def _preflight(env: JobEnv, backends: list[str], args: argparse.Namespace) -> int:
-    if not args.preflight or len(backends) != 1:
-        raise LaunchError("--slow-nodes goes with --preflight, which measures over one backend",
-                          hint="python -m launcher.check --preflight --slow-nodes FILE "
-                          "[--backend NAME]")
-    from launcher import preflight  # it gathers through this module
-
-    return preflight.run(env, backends[0], args.timeout, args.slow_nodes)
 
 
 if __name__ == "__main__":

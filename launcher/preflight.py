@@ -27,6 +27,7 @@ import torch.distributed as dist
 from launcher.atomic import write_atomic
 from launcher.check import gather
 from launcher.env import JobEnv
+from launcher.errors import LaunchError
 from launcher.process_group import process_group
 
 #: a node below this fraction of the nodes' median on any figure is named
@@ -146,16 +147,22 @@ def format_table(rows: list[NodeRow], slow: dict[str, str]) -> str:
     return "\n".join(lines)
 
 
-def run(env: JobEnv, backend: str, timeout_s: float, slow_file: Path | None) -> int:
-    """Every rank: measure over ``backend``; rank 0 prints the table and writes ``slow_file``
-    (one node name per line, empty when every node is fine). 0 once measured."""
-    with process_group(env, backend, timeout_s) as ctx:
+def run(env: JobEnv, backends: list[str], timeout_s: float, slow_file: Path | None,
+        asked: bool = True) -> int:
+    """Every rank: measure over the one backend; rank 0 prints the table and writes
+    ``slow_file`` (one node name per line, empty when every node is fine). 0 once measured."""
+    if not asked or len(backends) != 1:
+        raise LaunchError("--preflight measures over one backend; --slow-nodes needs --preflight",
+                          hint="python -m launcher.check --preflight --slow-nodes FILE "
+                          "[--backend NAME]")
+    with process_group(env, backends[0], timeout_s) as ctx:
         _measure(ctx.env, ctx.device, slow_file)
     return 0
 
 
 def _measure(env: JobEnv, device: torch.device, slow_file: Path | None) -> None:
     say = print if env.is_main else _quiet
+    dist.barrier()  # all ranks measure at once, sharing their nodes as in training
     figures = gather(measure_rank(env, device))
     leaders: dict[str, int] = {}
     for figure in figures:

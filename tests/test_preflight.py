@@ -1,7 +1,7 @@
 """``python -m launcher.check --preflight``: the naming rule on figures, and a slowed node for real.
 
 For real: 3 ranks as 3 nodes (torchrun's variables with GROUP_RANK, node names from DDP_HOSTS),
-one of them held to about a fifth of a CPU by stopping it 4 ms in every 5 (SIGSTOP/SIGCONT):
+one of them held to a tenth of a CPU at most by stopping it 9 ms in every 10 (SIGSTOP/SIGCONT):
 it must be the one named, in the file rank 0 writes.
 """
 
@@ -50,7 +50,7 @@ def test_naming_rule(rows, expected):
 def _throttle(process: subprocess.Popen, stop: threading.Event) -> None:
     while not stop.is_set() and process.poll() is None:
         process.send_signal(signal.SIGSTOP)
-        time.sleep(0.004)
+        time.sleep(0.009)
         process.send_signal(signal.SIGCONT)
         time.sleep(0.001)
     if process.poll() is None:
@@ -84,3 +84,12 @@ def test_a_slowed_node_is_named(tmp_path):
     table = outputs[0][0]
     assert "GEMM GFLOP/s" in table and "n2 " in table, table
     assert out.read_text() == "n2\n", table
+
+
+@pytest.mark.parametrize("args", [["--slow-nodes", "x"], ["--preflight", "--backend", "gloo,mpi"]])
+def test_preflight_flags_misused_are_a_user_error(args):
+    result = subprocess.run([sys.executable, "-m", "launcher.check", *args], capture_output=True,
+                            text=True, cwd=REPO_ROOT, env=clean_environ(), timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert "error: --preflight measures over one backend" in result.stderr
+    assert "HINT: python -m launcher.check --preflight" in result.stderr
