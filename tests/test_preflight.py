@@ -1,12 +1,14 @@
 """``python -m launcher.check --preflight``: the naming rule on figures, and a slowed node for real.
 
-For real: 3 ranks as 3 nodes (torchrun's variables with GROUP_RANK, node names from DDP_HOSTS),
-one of them held to a tenth of a CPU at most by stopping it 9 ms in every 10 (SIGSTOP/SIGCONT):
-it must be the one named, in the file rank 0 writes.
+For real, twice: 3 ranks as 3 nodes (torchrun's variables with GROUP_RANK, node names from
+DDP_HOSTS), one of them held to a tenth of a CPU at most by stopping it 9 ms in every 10
+(SIGSTOP/SIGCONT); and 3 containers on a Docker network, one with its CPU quota cut to 0.1
+(``docker run --cpus 0.1``). The slowed node must be the one named, in the file rank 0 writes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import subprocess
 import sys
@@ -93,3 +95,40 @@ def test_preflight_flags_misused_are_a_user_error(args):
     assert result.returncode == 2, result.stderr
     assert "error: --preflight measures over one backend" in result.stderr
     assert "HINT: python -m launcher.check --preflight" in result.stderr
+
+
+@pytest.mark.docker
+def test_a_container_with_its_cpu_quota_cut_is_named(tmp_path, dockerd, request):
+    """The image's code is replaced by this tree's (a bind mount): no rebuild for a change."""
+    image = "ddp:cpu"
+    if subprocess.run(["docker", "image", "inspect", image], capture_output=True).returncode:
+        image = request.getfixturevalue("cpu_image")
+    tmp_path.chmod(0o777)  # the image runs as an unprivileged user
+    network = f"ddp-preflight-{tmp_path.name}"[:60]
+    names = [f"{network}-node{i}" for i in range(3)]
+    subprocess.run(["docker", "network", "create", network], check=True, capture_output=True)
+    try:
+        for i, name in enumerate(names):
+            quota = ["--cpus", "0.1"] if i == 2 else []
+            subprocess.run(
+                ["docker", "run", "-d", *quota, "--name", name, "--hostname", f"node{i}",
+                 "--network", network, "-v", f"{REPO_ROOT / 'launcher'}:/opt/ddp/src/launcher:ro",
+                 "-v", f"{tmp_path}:/out", *[f"-e{k}={v}" for k, v in {
+                     "RANK": i, "WORLD_SIZE": 3, "LOCAL_RANK": 0, "LOCAL_WORLD_SIZE": 1,
+                     "GROUP_RANK": i, "MASTER_ADDR": "node0", "MASTER_PORT": 29555,
+                     "OMP_NUM_THREADS": 1}.items()],
+                 "--entrypoint", "python", image, "-m", "launcher.check", "--preflight",
+                 "--backend", "gloo", "--slow-nodes", "/out/slow-nodes"],
+                check=True, capture_output=True)
+        statuses = [subprocess.run(["docker", "wait", name], capture_output=True, text=True,
+                                   timeout=300).stdout.strip() for name in names]
+        table = subprocess.run(["docker", "logs", names[0]], capture_output=True,
+                               text=True).stdout
+        assert statuses == ["0", "0", "0"], table
+        assert (tmp_path / "slow-nodes").read_text() == "node2\n", table
+    finally:
+        for name in names:
+            subprocess.run(["docker", "rm", "-f", name], capture_output=True)
+        with contextlib.suppress(subprocess.CalledProcessError):
+            subprocess.run(["docker", "network", "rm", network], check=True,
+                           capture_output=True)
