@@ -37,10 +37,13 @@ Semantics and strategies:
   buffer, a copy; the tensor forms (all_gather_into_tensor, reduce_scatter_tensor,
   all_to_all_single with even or uneven splits) and all_reduce/broadcast/reduce don't.
 * Timeouts: every op, collective and point-to-point, is started non-blocking and polled against
-  the group's timeout (a per-call ``timeout`` in an op's options is not consulted). On expiry
-  it raises ``LaunchError`` naming the op and the peer (root or partner rank); the MPI
-  operation cannot be cancelled, so the process then calls ``MPI_Abort`` at exit rather than
-  hang in ``MPI_Finalize``. Inside DDP's backward the same LaunchError comes out of
+  the group's timeout (a per-call ``timeout`` in an op's options is not consulted;
+  ``launcher.mpi_waiting``). Past it, the heartbeats decide (``launcher.heartbeat``): a silent
+  peer makes it ``PeerLost`` naming the op and the silent ranks and nodes, a peer that still
+  beats (busy writing a checkpoint) lets the wait go on, up to 10 times the timeout. Without
+  heartbeats (a group made without ``launcher.process_group``) the timeout ends the wait. The
+  MPI operation cannot be cancelled, so the process then calls ``MPI_Abort`` at exit rather
+  than hang in ``MPI_Finalize``. Inside DDP's backward the same error comes out of
   ``loss.backward()``.
 * Dtypes: float32/64, int8/16/32/64, uint8/16/32/64, bool, complex64/128 map to MPI types.
   float16/bfloat16 have no MPI type: data movement sends raw 16-bit words; reductions are
@@ -63,21 +66,17 @@ Semantics and strategies:
 
 from __future__ import annotations
 
-import atexit
 import contextlib
-import os
 import threading
-import time
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from mpi4py import MPI
-from torch._C._distributed_c10d import _create_work_from_future
 
-from launcher import heartbeat
 from launcher import mpi_buffers as mb
-from launcher.errors import LaunchError, PeerLost
+from launcher import mpi_waiting as waiting
+from launcher.errors import LaunchError
 
 BACKEND_NAME = mb.BACKEND_NAME
 
@@ -90,11 +89,6 @@ _PROBE_WORDS = 1 << 20
 #: all_reduce works through larger buffers in slices of this many bytes, one after another
 ALLREDUCE_SLICE_BYTES = 4 << 20
 
-#: polls of a request (about 1 us each from Python) before each further poll gives up the
-#: CPU: MPICH spins for about as long (1000 polls of its own) before it yields
-_POLLS_BEFORE_YIELD = 50
-
-
 def register() -> str:
     """Register the backend with torch for cpu and cuda tensors; safe to call again."""
     if BACKEND_NAME not in dist.Backend.backend_list:
@@ -102,77 +96,6 @@ def register() -> str:
             BACKEND_NAME, _create, extended_api=True, devices=["cpu", "cuda"]
         )
     return BACKEND_NAME
-
-
-def _finished(result, opts) -> dist.Work | None:
-    """A completed Work, or none when the caller asked for a synchronous op: torch's Python
-    API then skips ``wait`` (its path for backends that sync inside the call), which saves
-    building a future per op."""
-    if opts is not None and not opts.asyncOp:
-        return None
-    fut = torch.futures.Future()
-    fut.set_result(result)
-    return _create_work_from_future(fut)
-
-
-class _RequestWork(dist._Work):
-    """A pending point-to-point request; ``wait`` polls it against the group's timeout."""
-
-    def __init__(self, pg: MPIProcessGroup, request: MPI.Request, op: str, peer: int | None,
-                 buf: torch.Tensor, tensor: torch.Tensor | None):
-        super().__init__()
-        self._pg, self._request, self._op, self._peer = pg, request, op, peer
-        # buf must outlive the request; tensor (a receive's target) gets buf's data at the end
-        self._buf, self._tensor = buf, tensor
-        self._status = MPI.Status()
-        self._finished = False
-
-    def wait(self, timeout: timedelta | None = None) -> bool:
-        if not self._finished:
-            self._pg._wait(self._request, self._op, self._peer, self._status)
-            self._finish()
-        return True
-
-    def is_completed(self) -> bool:
-        if not self._finished:
-            with self._pg._lock:
-                done = self._request.Test(self._status)
-            if done:
-                # not wait(): testing the spent request again would blank the status (source)
-                self._finish()
-        return self._finished
-
-    def _finish(self) -> None:
-        if self._tensor is not None:
-            mb.write_back(self._tensor, self._buf)
-        self._finished = True
-
-    def is_success(self) -> bool:
-        return self.is_completed()
-
-    def get_future(self) -> torch.futures.Future:
-        self.wait()
-        fut = torch.futures.Future()
-        fut.set_result([self._tensor if self._tensor is not None else self._buf])
-        return fut
-
-    def _source_rank(self) -> int:
-        self.wait()
-        return self._status.Get_source()
-
-    def source_rank(self) -> int:
-        return self._source_rank()
-
-
-_abort_at_exit_registered = False
-
-
-def _abort_at_exit() -> None:
-    """A timed-out MPI op can't be cancelled and would hang MPI_Finalize: abort instead."""
-    global _abort_at_exit_registered
-    if not _abort_at_exit_registered:
-        _abort_at_exit_registered = True
-        atexit.register(MPI.COMM_WORLD.Abort, 1)
 
 
 class MPIProcessGroup(dist.ProcessGroup):
@@ -242,35 +165,10 @@ class MPIProcessGroup(dist.ProcessGroup):
 
     def _wait(self, request: MPI.Request, op: str, peer: int | None = None,
               status: MPI.Status | None = None) -> None:
-        """Poll ``request`` until done; raise LaunchError once the group's timeout passes.
-
-        ``op`` and ``peer`` (a root or point-to-point partner) name the op in the error.
-        """
-        lock = self._lock
-        with lock:
-            if request.Test(status):
-                return
-        deadline = time.monotonic() + self._timeout_s
-        polls = 0
-        while True:
-            with lock:
-                if request.Test(status):
-                    return
-            polls += 1
-            if polls > _POLLS_BEFORE_YIELD:
-                # like MPICH's own wait loop: when ranks outnumber free cores, a peer waiting
-                # for a CPU would otherwise wait out this process's whole time slice
-                os.sched_yield()
-            now = time.monotonic()
-            if now > deadline:
-                what = op if peer is None else f"{op} {peer}"
-                try:
-                    heartbeat.overdue(f"{what} on a group of {self._size_} ranks",
-                                      now - deadline + self._timeout_s, self._timeout_s,
-                                      self._rank_)
-                except PeerLost:
-                    _abort_at_exit()
-                    raise
+        """Poll ``request`` until done (``launcher.mpi_waiting.wait``); ``op`` and ``peer`` (a
+        root or point-to-point partner) name the op in the error."""
+        waiting.wait(request, self._lock, status, self._timeout_s, op, peer, self._size_,
+                     self._rank_)
 
     def _run(self, op: str, peer: int | None, start, *args) -> None:
         with self._lock:
@@ -296,7 +194,7 @@ class MPIProcessGroup(dist.ProcessGroup):
             if average:
                 self._average(buf)
             mb.write_back(t, buf)
-        return _finished(tensors, opts)
+        return waiting.finished(tensors, opts)
 
     def allreduce_coalesced(self, tensors, opts=None) -> dist.Work | None:
         return self.allreduce(tensors, opts)
@@ -314,7 +212,7 @@ class MPIProcessGroup(dist.ProcessGroup):
                 if average:
                     self._average(buf)
                 mb.write_back(t, buf)
-        return _finished(tensors, opts)
+        return waiting.finished(tensors, opts)
 
     def _reduce_scatter(self, output: torch.Tensor, flat: torch.Tensor, op) -> None:
         """Reduce ``flat`` (``size`` blocks, contiguous, compute dtype) into ``output``."""
@@ -331,12 +229,12 @@ class MPIProcessGroup(dist.ProcessGroup):
         for output, inputs in zip(outputs, input_lists, strict=True):
             _, compute, _ = mb.reduction(output.dtype, opts.reduceOp)
             self._reduce_scatter(output, mb.flat(inputs, compute), opts.reduceOp)
-        return _finished(outputs, opts)
+        return waiting.finished(outputs, opts)
 
     def reduce_scatter_single(self, output, input, opts) -> dist.Work | None:  # noqa: A002
         _, compute, _ = mb.reduction(output.dtype, opts.reduceOp)
         self._reduce_scatter(output, mb.addressable(input, compute), opts.reduceOp)
-        return _finished([output], opts)
+        return waiting.finished([output], opts)
 
     _reduce_scatter_base = reduce_scatter_single
 
@@ -344,7 +242,7 @@ class MPIProcessGroup(dist.ProcessGroup):
         for output, input_ in zip(outputs, inputs, strict=True):
             _, compute, _ = mb.reduction(output.dtype, opts.reduceOp)
             self._reduce_scatter(output, mb.addressable(input_, compute), opts.reduceOp)
-        return _finished(outputs, opts)
+        return waiting.finished(outputs, opts)
 
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
 
@@ -360,7 +258,7 @@ class MPIProcessGroup(dist.ProcessGroup):
                 self._run("broadcast from root rank", root, self._comm.Ibcast, mb.spec(buf), root)
             if self._rank_ != root:
                 mb.write_back(t, buf)
-        return _finished(tensors, opts)
+        return waiting.finished(tensors, opts)
 
     def allgather(self, output_lists, inputs, opts=None) -> dist.Work | None:
         for outputs, t in zip(output_lists, inputs, strict=True):
@@ -370,7 +268,7 @@ class MPIProcessGroup(dist.ProcessGroup):
                 self._run("all_gather", None, self._comm.Iallgather, mb.spec(buf),
                           mb.spec(flat, self._size_))
             mb.unflat(flat, outputs)
-        return _finished(output_lists, opts)
+        return waiting.finished(output_lists, opts)
 
     def _allgather_into(self, output: torch.Tensor, input_: torch.Tensor) -> None:
         out, buf = mb.addressable(output), mb.addressable(input_)
@@ -383,7 +281,7 @@ class MPIProcessGroup(dist.ProcessGroup):
 
     def all_gather_single(self, output, input, opts=None) -> dist.Work | None:  # noqa: A002
         self._allgather_into(output, input)
-        return _finished([output], opts)
+        return waiting.finished([output], opts)
 
     _allgather_base = all_gather_single
 
@@ -393,7 +291,7 @@ class MPIProcessGroup(dist.ProcessGroup):
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None) -> dist.Work | None:
         for output, input_ in zip(outputs, inputs, strict=True):
             self._allgather_into(output, input_)
-        return _finished(outputs, opts)
+        return waiting.finished(outputs, opts)
 
     all_gather_single_coalesced = allgather_into_tensor_coalesced
 
@@ -407,7 +305,7 @@ class MPIProcessGroup(dist.ProcessGroup):
                       mb.spec(flat, self._size_) if at_root else None, root)
         if at_root:
             mb.unflat(flat, output_lists[0])
-        return _finished(output_lists, opts)
+        return waiting.finished(output_lists, opts)
 
     def scatter(self, outputs, input_lists, opts) -> dist.Work | None:
         root = opts.rootRank
@@ -417,7 +315,7 @@ class MPIProcessGroup(dist.ProcessGroup):
             self._run("scatter from root rank", root, self._comm.Iscatter,
                       None if flat is None else mb.spec(flat, self._size_), mb.spec(out), root)
         mb.write_back(outputs[0], out)
-        return _finished(outputs, opts)
+        return waiting.finished(outputs, opts)
 
     def _alltoallv(self, out: torch.Tensor, recv_counts: list[int], inp: torch.Tensor,
                    send_counts: list[int]) -> None:
@@ -436,7 +334,7 @@ class MPIProcessGroup(dist.ProcessGroup):
         self._alltoallv(flat_out, [t.numel() for t in outputs], mb.flat(inputs),
                         [t.numel() for t in inputs])
         mb.unflat(flat_out, outputs)
-        return _finished(outputs, opts)
+        return waiting.finished(outputs, opts)
 
     def all_to_all_single(self, output, input, output_split_sizes,  # noqa: A002
                           input_split_sizes, opts=None) -> dist.Work | None:
@@ -452,13 +350,13 @@ class MPIProcessGroup(dist.ProcessGroup):
 
         self._alltoallv(out, counts(out, output_split_sizes), inp, counts(inp, input_split_sizes))
         mb.write_back(output, out)
-        return _finished([output], opts)
+        return waiting.finished([output], opts)
 
     alltoall_base = all_to_all_single
 
     def barrier(self, opts=None) -> dist.Work | None:
         self._run("barrier", None, self._comm.Ibarrier)
-        return _finished([], opts)
+        return waiting.finished([], opts)
 
     # -- point to point --------------------------------------------------------------------
 
@@ -466,7 +364,7 @@ class MPIProcessGroup(dist.ProcessGroup):
         buf = mb.addressable(tensors[0])
         with self._lock:
             request = self._comm.Isend(mb.spec(buf), dst, tag)
-        return _RequestWork(self, request, "send to rank", dst, buf, None)
+        return waiting.RequestWork(self, request, "send to rank", dst, buf, None)
 
     def recv(self, tensors, src: int, tag: int = 0) -> dist.Work:
         return self._irecv(tensors[0], src, tag)
@@ -479,8 +377,8 @@ class MPIProcessGroup(dist.ProcessGroup):
         with self._lock:
             request = self._comm.Irecv(mb.spec(buf), src, tag)
         if src == MPI.ANY_SOURCE:
-            return _RequestWork(self, request, "recv from any rank", None, buf, t)
-        return _RequestWork(self, request, "recv from rank", src, buf, t)
+            return waiting.RequestWork(self, request, "recv from any rank", None, buf, t)
+        return waiting.RequestWork(self, request, "recv from rank", src, buf, t)
 
 
 def _check_world(rank: int, size: int, source: str) -> str | None:
