@@ -12,6 +12,7 @@ import dataclasses
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -59,6 +60,57 @@ def test_heartbeat_names_the_silent_ranks_nodes(monkeypatch):
     assert isinstance(lost, PeerLost)
     assert lost.nodes == ("n2",)
     assert "no heartbeat for 0 s from rank 2 (n2)" in lost.message, lost.message
+
+
+class _StoppedStore(_Beats):
+    """The store's host stops after the first beats: an exchange then never returns."""
+
+    def __init__(self):
+        super().__init__({0, 1, 2})
+        self.calls = 0
+        self.stopped = threading.Event()
+
+    def exchange(self) -> set[int]:
+        self.calls += 1
+        if self.calls > 2:
+            self.stopped.wait()  # SIGSTOP: no answer, not even the client's timeout
+        return self.alive
+
+
+def test_a_store_that_stops_answering_is_rank_0_silent(monkeypatch):
+    monkeypatch.setattr(heartbeat, "SILENT_S", 0.5)
+    monkeypatch.setattr(heartbeat, "BEAT_S", 0.05)
+    env = dataclasses.replace(detect_environment({}, hostname="box"), rank=1, world_size=3)
+    beats = _StoppedStore()
+    beat = heartbeat.Heartbeat(env, beats)
+    try:
+        time.sleep(0.2)  # the store stops; a collective fails afterwards
+        silent = beat.settle()
+        lost = beat.lost("the all_reduce failed", silent)
+    finally:
+        beats.stopped.set()
+        beat.close()
+    assert silent == [0]  # not ranks 1 and 2, whose beats only the store could carry
+    assert "rank 0's rendezvous store" in lost.message and lost.nodes == ("n0",)
+
+
+def test_overdue_waits_on_peers_that_beat_and_names_silent_ones(monkeypatch):
+    monkeypatch.setattr(heartbeat, "SILENT_S", 0.5)
+    monkeypatch.setattr(heartbeat, "BEAT_S", 0.05)
+    env = dataclasses.replace(detect_environment({}, hostname="box"), rank=1, world_size=3)
+    beats = _Beats({0, 1, 2})
+    monkeypatch.setattr(heartbeat, "_current", heartbeat.Heartbeat(env, beats))
+    try:
+        heartbeat.overdue("all_reduce", 2.0, 1.0, rank=1)  # everyone beats: go on waiting
+        with pytest.raises(PeerLost, match="although every rank still beats"):
+            heartbeat.overdue("all_reduce", 11.0, 1.0, rank=1)  # past BUSY_LIMIT
+        beats.alive = {0, 1}
+        time.sleep(0.8)
+        with pytest.raises(PeerLost, match=r"no heartbeat .* from rank 2 \(n2\)"):
+            heartbeat.overdue("all_reduce", 2.0, 1.0, rank=1)
+    finally:
+        heartbeat.stop()
+    assert heartbeat.current() is None
 
 
 def _start_ranks(tmp_path) -> list[subprocess.Popen]:
