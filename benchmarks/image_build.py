@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from benchmarks import RESULTS, ROOT, sif_image
-from ddp_tasks import engine
+from ddp_tasks import engine, flavors
 from ddp_tasks import image as image_tasks
 from ddp_tasks import image_commands as ic
 
@@ -63,7 +63,7 @@ def measure(client, flavor: str, cold: bool) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--flavors", default=",".join(ic.FLAVORS),
+    parser.add_argument("--flavors", default=",".join(flavors.NAMES),
                         help="comma-separated flavors to build (default: all)")
     parser.add_argument("--skip-cold", action="store_true",
                         help="skip the cold (no cache) build, which takes minutes")

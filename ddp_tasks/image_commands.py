@@ -29,8 +29,6 @@ CA_BUNDLE_NAME = "extra-ca.crt"
 #: where ``pip download ... -d .wheelhouse`` puts wheels by default; the build links them in
 DEFAULT_WHEELHOUSE = ".wheelhouse"
 
-#: the flavors' names, for the builders and tests that go through all of them
-FLAVORS = flavors.NAMES
 DEFAULT_NAME = "ddp"
 DEFAULT_BASE_TAG = "ddp-base:bookworm"
 DEBIAN_SUITE = "bookworm"  # its python3 (3.11) is the one the image's wheels are for

@@ -12,7 +12,7 @@ import sys
 import pytest
 from spython.main.parse.parsers import SingularityParser
 
-from ddp_tasks import apptainer_def, sif_build
+from ddp_tasks import apptainer_def, flavors, sif_build
 from ddp_tasks import image_commands as ic
 from launcher import __version__
 from launcher.errors import LaunchError
@@ -29,7 +29,7 @@ def labels(recipe) -> dict[str, str]:
     return dict(line.split(" ", 1) for line in recipe.labels)
 
 
-@pytest.mark.parametrize("flavor", ic.FLAVORS)
+@pytest.mark.parametrize("flavor", flavors.NAMES)
 def test_the_committed_definition_is_the_generated_one(flavor):
     """apptainer/ddp-FLAVOR.def is written by `invoke sif-defs`: a change to the Dockerfile's
     pins, labels or ENV that did not regenerate it fails here."""
@@ -43,7 +43,7 @@ def test_a_pin_changed_in_the_dockerfile_changes_the_definition():
     assert "io.ddp.torch 9.9.9" in apptainer_def.definition("cpu", dockerfile)
 
 
-@pytest.mark.parametrize("flavor", ic.FLAVORS)
+@pytest.mark.parametrize("flavor", flavors.NAMES)
 def test_def_labels_pin_the_dockerfile_versions(flavor):
     args = apptainer_def.flavor_args(flavor, ic.pins())
     found = labels(parse(ic.apptainer_def(flavor)))
@@ -56,7 +56,7 @@ def test_def_labels_pin_the_dockerfile_versions(flavor):
     assert ("io.ddp.cuda" in found) is (flavor == "cuda")
 
 
-@pytest.mark.parametrize("flavor", ic.FLAVORS)
+@pytest.mark.parametrize("flavor", flavors.NAMES)
 def test_def_environment_matches_the_image(flavor):
     recipe = parse(ic.apptainer_def(flavor))
     assert recipe.fromHeader == ic.image_tag(ic.DEFAULT_NAME, flavor)

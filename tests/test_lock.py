@@ -89,7 +89,7 @@ def test_cpu_asks_for_the_cpu_build_and_cuda_for_pypis():
     assert lock_file.torch_requirement(flavors.get("cuda"), PINS) == f"torch=={version}"
 
 
-@pytest.mark.parametrize("flavor", ic.FLAVORS)
+@pytest.mark.parametrize("flavor", flavors.NAMES)
 def test_the_committed_lock_holds_the_pins(flavor):
     """A pin changed in docker/Dockerfile or a flavor's build_args without `invoke lock` fails
     here (the build would stop at it too)."""
@@ -104,7 +104,7 @@ def test_disagreements_name_the_package_and_both_versions():
     assert problems == [f"numpy: the lock has {PINS['NUMPY_VERSION']}, the pins say 9.9.9"]
 
 
-@pytest.mark.parametrize("flavor", ic.FLAVORS)
+@pytest.mark.parametrize("flavor", flavors.NAMES)
 def test_the_committed_lock_satisfies_the_project_and_its_torch(flavor):
     sections = lock_file.parse(lock_file.lock_path(flavor).read_text())
     locked = {name: version for section in sections.values() for name, version in section.items()}
