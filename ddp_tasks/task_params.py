@@ -18,36 +18,13 @@ Nothing here imports torch or the tasks: any task module may use it.
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import inspect
 from collections.abc import Callable, Iterable
 
 from invoke import task
 
-
-def field_docs(cls: type) -> dict[str, str]:
-    """The text of each documented field of a dataclass: the string under it or ``#:`` above."""
-    source = inspect.getsource(cls)
-    lines = source.splitlines()
-    body = ast.parse(source).body[0].body
-    docs = {}
-    for i, node in enumerate(body):
-        if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
-            continue
-        following = body[i + 1] if i + 1 < len(body) else None
-        if (isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant)
-                and isinstance(following.value.value, str)):
-            docs[node.target.id] = " ".join(following.value.value.split())
-            continue
-        comments = []
-        for line in reversed(lines[:node.lineno - 1]):
-            if not line.strip().startswith("#:"):
-                break
-            comments.insert(0, line.strip().removeprefix("#:").strip())
-        if comments:
-            docs[node.target.id] = " ".join(comments)
-    return docs
+from launcher.field_docs import field_docs
 
 
 def field_help(classes: Iterable[type], names: Iterable[str],

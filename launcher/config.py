@@ -8,15 +8,14 @@ every rank, so every rank stops with the same error and nobody waits in a collec
 from __future__ import annotations
 
 import argparse
-import ast
 import dataclasses
-import inspect
 from dataclasses import dataclass
 from pathlib import Path
 
 from launcher.backends import BACKEND_CHOICES
 from launcher.data import DATASETS
 from launcher.errors import LaunchError
+from launcher.field_docs import field_docs
 from launcher.models import BUILTIN
 
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -182,19 +181,6 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str):
         raise LaunchError(message, hint="see python -m launcher.train --help")
-
-
-def field_docs(cls: type) -> dict[str, str]:
-    """The docstring under each field of a dataclass, read from its source."""
-    tree = ast.parse(inspect.getsource(cls))
-    body = tree.body[0].body
-    docs = {}
-    for node, following in zip(body, body[1:], strict=False):
-        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
-                and isinstance(following, ast.Expr)
-                and isinstance(following.value, ast.Constant)):
-            docs[node.target.id] = " ".join(str(following.value.value).split())
-    return docs
 
 
 def build_parser() -> argparse.ArgumentParser:
