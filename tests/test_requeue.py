@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,7 @@ from ddp_tasks.batch_script import Batch, batch_script
 from ddp_tasks.launch_spec import Launch
 from tests.fixtures.etc_hosts import loopback_names
 from tests.fixtures.mpi import REPO_ROOT, json_objects
+from tests.fixtures.requirements import missing
 from tests.test_batch_endings import attempts
 
 #: small and quick, and still >= 0.95 test accuracy (epoch 3 reaches ~0.97); checkpoints
@@ -164,6 +166,54 @@ def test_the_job_continues_on_the_nodes_left(slurm_cluster3, tmp_path, shm_uncha
     assert left == sorted({"n0", "n1", "n2"} - {victim}), (nodes_2, output)
     assert "training mlp on digits: 3 rank(s)" in output
     assert "training mlp on digits: 2 rank(s)" in output
+
+
+@contextmanager
+def cpu_quota(pid: int, fraction: float):
+    """``pid`` and every process it starts inside hold ``fraction`` of one CPU (a cgroup v1
+    CPU quota): a node slowed on purpose."""
+    root = Path("/sys/fs/cgroup/cpu")
+    if not (root / "cpu.cfs_quota_us").exists():
+        missing("no cgroup v1 cpu controller at /sys/fs/cgroup/cpu to slow a node with")
+    group = root / f"ddp-test-slow-{os.getpid()}"
+    group.mkdir()
+    try:
+        (group / "cpu.cfs_quota_us").write_text(str(int(fraction * 100_000)))
+        (group / "cgroup.procs").write_text(str(pid))
+        yield
+    finally:
+        for member in (group / "cgroup.procs").read_text().split():
+            with suppress(OSError):  # gone meanwhile
+                (root / "cgroup.procs").write_text(member)
+        group.rmdir()
+
+
+@pytest.mark.slurm
+def test_preflight_leaves_a_slow_node_out(slurm_cluster3, tmp_path, shm_unchanged):
+    """n2 at a tenth of a CPU: the preflight of the first attempt names it, and the script
+    requeues the job without it. The requeued attempt is not waited for: on a loaded 2-core
+    machine the preflight may also name a healthy node (a link measured while others ran),
+    and with two nodes excluded the 2-node job would stay pending."""
+    launch = Launch(nodes=2, procs_per_node=1, launcher="srun", runtime="none",
+                    args=_train_args(tmp_path, "--backend", "gloo"))
+    batch = Batch(job_name="preflight", time="00:10:00", output=str(tmp_path / "job-%j.out"),
+                  max_nodes=3, preflight=True)
+    with cpu_quota(slurm_cluster3.slurmd_pid("n2"), 0.1):
+        job_id = _submit(slurm_cluster3, tmp_path, launch, batch)
+        deadline = time.monotonic() + 180
+        # the script logs, requeues, then sets the excluded nodes
+        while (excluded := slurm_cluster3.job_fields(job_id)["ExcNodeList"]) == "(null)":
+            assert time.monotonic() < deadline, slurm_cluster3.job_fields(job_id)
+            time.sleep(0.5)
+    slurm_cluster3.cancel_all()
+    output = next(tmp_path.glob("job-*.out")).read_text()
+    ((nodes, ending),) = attempts(tmp_path / "run")
+    assert nodes == "n[0-2]", output
+    named = ending.removeprefix("preflight named slow nodes: restart 1 of 3 without ")
+    assert "n2" in named.split(","), output
+    hostnames = slurm_cluster3.scontrol(["show", "hostnames", excluded]).split()
+    assert sorted(hostnames) == sorted(named.split(",")), (excluded, named)
+    assert not (tmp_path / "run" / "metrics.jsonl").exists(), "trained on a slow node"
 
 
 def _kill_node_1(job_id: int) -> str:
