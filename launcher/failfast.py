@@ -33,9 +33,9 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from launcher import heartbeat, peer_lost
+from launcher.c10d_log import quiet_c10d
 from launcher.env import JobEnv
 from launcher.errors import EXIT_RANK_FAILED, EXIT_USER_ERROR, LaunchError
-from launcher.peer_lost import quiet_c10d
 
 #: how long a failing rank waits for its peers to take its notice before it ends anyway
 ACK_WAIT_S = 5.0

@@ -20,6 +20,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from launcher.c10d_log import quiet_c10d
 from launcher.env import JobEnv
 from launcher.errors import PeerLost
 
@@ -110,7 +111,6 @@ class Heartbeat:
         self._thread.start()
 
     def _beat(self) -> None:
-        from launcher.peer_lost import quiet_c10d  # that module reports through this one
 
         while not self._stop.wait(BEAT_S):
             self._calling = time.monotonic()

@@ -7,13 +7,8 @@ naming the ranks and nodes whose heartbeats stopped (``launcher.heartbeat``).
 
 from __future__ import annotations
 
-import ctypes
 import re
-from collections.abc import Iterator
-from contextlib import contextmanager
-from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 from launcher import heartbeat
@@ -44,24 +39,6 @@ def first_line(exc: BaseException) -> str:
     """The one useful clause of a torch error, without C++ locations and frame dumps."""
     line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
     return _NOISE.sub("", line).split(". This is typically")[0]
-
-
-@contextmanager
-def quiet_c10d() -> Iterator[None]:
-    """c10d's C++ log silenced inside: where a failure is expected or known, each store call
-    that fails logs it again with a C++ stack, and the one message this code prints says it
-    all. The level is restored on the way out."""
-    try:
-        libc10 = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libc10.so"))
-        level = ctypes.c_int.in_dll(libc10, "FLAGS_caffe2_log_level")
-    except (OSError, ValueError):  # another build of torch: its noise stays
-        yield
-        return
-    saved, level.value = level.value, 3  # FATAL only
-    try:
-        yield
-    finally:
-        level.value = saved
 
 
 def enrol(env: JobEnv, store: dist.Store) -> None:

@@ -36,9 +36,10 @@ import torch.distributed as dist
 
 from launcher import mpi_library, mpi_segments, network, shm
 from launcher.backends import rendezvous_over_mpi
+from launcher.c10d_log import quiet_c10d
 from launcher.env import JobEnv, planned_network
 from launcher.errors import LaunchError
-from launcher.peer_lost import HOST_KEY, first_line, quiet_c10d
+from launcher.peer_lost import HOST_KEY, first_line
 
 #: where the ranks of other nodes publish the address they reach the rendezvous host at
 SEEN_KEY = "ddp/network/rendezvous-seen-as"
