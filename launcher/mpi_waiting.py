@@ -11,7 +11,7 @@ import atexit
 import os
 import time
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -22,8 +22,15 @@ from launcher import heartbeat
 from launcher import mpi_buffers as mb
 from launcher.errors import PeerLost
 
-if TYPE_CHECKING:
-    from launcher.mpi_backend import MPIProcessGroup
+
+class _Polling(Protocol):
+    """What a pending Work needs of its group (``launcher.mpi_backend.MPIProcessGroup``),
+    named here so that this module does not import the backend it serves."""
+
+    _lock: object
+
+    def _wait(self, request: MPI.Request, op: str, peer: int | None,
+              status: MPI.Status | None = None) -> None: ...
 
 #: polls of a request (about 1 us each from Python) before each further poll gives up the
 #: CPU: MPICH spins for about as long (1000 polls of its own) before it yields
@@ -73,7 +80,7 @@ def finished(result, opts) -> dist.Work | None:
 class RequestWork(dist._Work):
     """A pending point-to-point request; ``wait`` polls it against the group's timeout."""
 
-    def __init__(self, pg: MPIProcessGroup, request: MPI.Request, op: str, peer: int | None,
+    def __init__(self, pg: _Polling, request: MPI.Request, op: str, peer: int | None,
                  buf: torch.Tensor, tensor: torch.Tensor | None):
         super().__init__()
         self._pg, self._request, self._op, self._peer = pg, request, op, peer
