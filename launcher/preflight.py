@@ -25,10 +25,10 @@ import torch
 import torch.distributed as dist
 
 from launcher.atomic import write_atomic
-from launcher.check import gather
 from launcher.env import JobEnv
 from launcher.errors import LaunchError
 from launcher.process_group import process_group
+from launcher.rank_report import gather
 
 #: a node below this fraction of the nodes' median on any figure is named
 SLOW_FRACTION = 0.5
