@@ -75,6 +75,7 @@ import torch.distributed as dist
 from mpi4py import MPI
 
 from launcher import mpi_buffers as mb
+from launcher import mpi_segments
 from launcher import mpi_waiting as waiting
 from launcher.errors import LaunchError
 
@@ -407,6 +408,9 @@ def _create(opts, backend_options=None) -> MPIProcessGroup:
         if failed:
             raise LaunchError(problem or f"MPI rank(s) {', '.join(map(str, failed))} were given "
                               "a rank or world size that does not match MPI's", _HINT)
+        # every rank is here: a user's script that started MPI itself, as well as
+        # process_group, leaves no named segment behind if the job ends in MPI_Abort
+        mpi_segments.unlink_mapped(world)
         return _checked(MPIProcessGroup(world.Dup(), timeout))
     problem = _check_world(dist.get_rank(), dist.get_world_size(), "the default process group")
     if problem:
