@@ -114,7 +114,9 @@ class TrainConfig:
     its node (more threads than free cores make every step far slower on a busy machine)"""
 
     timeout_s: float = 300.0
-    """seconds a collective may wait before the process group gives up"""
+    """seconds a collective, and each start-up stage (+10 s), may wait on a peer that no
+    longer beats before the job ends with exit 3; waits on live peers (a checkpoint write, an
+    agreement) may run up to 10 times as long"""
 
     def __post_init__(self) -> None:
         _choice("--precision", self.precision, PRECISIONS)

@@ -6,7 +6,7 @@ and the variables read are in ``launcher.detectors`` and docs/environment.md.
 
 Rendezvous address and port: ``MASTER_ADDR``/``MASTER_PORT`` win when set; torchrun sets them;
 under Slurm the step's first host and a port derived from the job and step ids
-(``launcher.detectors.slurm_port``); under mpirun/mpiexec both stay ``None`` and
+(``launcher.ports.slurm_port``); under mpirun/mpiexec both stay ``None`` and
 ``launcher.rendezvous`` has rank 0 pick and broadcast them; a single process uses 127.0.0.1 and
 a free port picked at start-up.
 """

@@ -46,10 +46,9 @@ def enrol(env: JobEnv, store: dist.Store) -> None:
     store.set(f"{NODE_KEY}/{env.rank}", env.node_name)
 
 
-def diagnose(env: JobEnv, backend: str, store: dist.Store | None,
-             exc: BaseException) -> PeerLost:
+def diagnose(env: JobEnv, backend: str, exc: BaseException) -> PeerLost:
     """``exc`` explained by the heartbeats (``launcher.heartbeat``): which ranks fell silent.
-    ``store`` is not consulted: beats outlive a broken group and a stopped peer alike."""
+    Beats outlive a broken group and a stopped peer alike, so no store is asked."""
     failed = (f"rank {env.rank} on {env.node_name} lost contact in the {backend} process "
               f"group ({first_line(exc)})")
     beat = heartbeat.current()

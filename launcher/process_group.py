@@ -8,7 +8,7 @@ and always ends the group again, also when the body raises. What leaves the body
 - nothing, an error raised on every rank together (``launcher.agreement``), a preemption: the
   group is torn down in order;
 - a communication failure (a peer died, the network was cut, a collective timed out): it comes
-  out as ``PeerLost`` naming the ranks and hosts that stopped answering (``launcher.peer_lost``);
+  out as ``PeerLost`` naming the ranks and nodes whose heartbeats stopped (``launcher.peer_lost``);
 - any other exception, raised on this rank alone: it is reported here and on every other rank
   (``launcher.failfast``) and comes out as ``RankFailed``: end the process at once with
   ``launcher.failfast.end_process``.
@@ -63,7 +63,7 @@ def process_group(
     """Initialise torch.distributed for ``env``; tear it down on exit whatever happens.
 
     A communication failure inside the body (a peer died, the network was cut, a collective
-    timed out) comes out as ``PeerLost`` naming the ranks and hosts that stopped answering.
+    timed out) comes out as ``PeerLost`` naming the ranks and nodes whose heartbeats stopped.
     """
     cuda_available = torch.cuda.is_available()
     facts = BackendFacts(cuda_available, dist.is_mpi_available(),
@@ -87,7 +87,7 @@ def process_group(
         if is_communication_failure(exc):
             if watchdog.notice is not None:  # the failed peer ended: not a lost one
                 raise RankFailed(watchdog.notice.status) from None
-            raise diagnose(env, name, store, exc) from None
+            raise diagnose(env, name, exc) from None
         raise RankFailed(watchdog.fail(exc)) from None
     finally:
         # a lost or failed peer may hold up an orderly tear-down: the caller ends the process

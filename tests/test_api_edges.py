@@ -154,7 +154,7 @@ def test_hints_a_script_can_meet_speak_of_the_api_too():
     with pytest.raises(launcher.LaunchError) as nccl:
         select_backend("nccl", cuda_available=False, native_mpi=False)
     assert 'launcher.distributed(backend="gloo")' in nccl.value.hint
-    lost = diagnose(detect_environment({}), "gloo", None, RuntimeError("Connection reset"))
+    lost = diagnose(detect_environment({}), "gloo", RuntimeError("Connection reset"))
     assert "job.resume" in lost.hint and "--resume auto" in lost.hint
     with pytest.raises(launcher.LaunchError) as damaged:
         checkpoint.decode(b"not a checkpoint", "ckpt-00000001.pt")
