@@ -34,12 +34,19 @@ _ALLOCATED_NODES = '"$SLURM_JOB_NUM_NODES"'
 class Batch:
     """The ``#SBATCH`` settings that are not part of the srun line."""
 
+    #: Slurm job name
     job_name: str = "ddp"
+    #: Slurm time limit
     time: str = "01:00:00"
+    #: Slurm partition (default: the cluster's)
     partition: str = ""
+    #: Slurm account (default: yours)
     account: str = ""
+    #: the preemption signal sbatch sends the ranks (a name without "SIG")
     signal: str = "USR1"
+    #: send the preemption signal this many seconds before the limit
     signal_seconds: int = 60
+    #: Slurm output file (%x: job name, %j: job id); appended to on requeue
     output: str = "%x-%j.out"
     #: more directives as sbatch options without "#SBATCH": "--mem=64G", "--qos=high"
     directives: tuple[str, ...] = ()

@@ -33,12 +33,6 @@ NOTES = {
     "master_port": "MASTER_PORT (default: chosen per job at start-up)",
     "ifname": "network interface for gloo/NCCL (GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME)",
     "dry_run": "print the command and exit",
-    "job_name": "Slurm job name",
-    "time": "Slurm time limit",
-    "partition": "Slurm partition (default: the cluster's)",
-    "account": "Slurm account (default: yours)",
-    "signal_seconds": "send the preemption signal this many seconds before the limit",
-    "output": "Slurm output file (%x: job name, %j: job id); appended to on requeue",
     "script": "where to write the batch script (default JOB_NAME.sbatch)",
     "submit": "also run sbatch and print the job id",
     "directive": "another #SBATCH option, e.g. mem=64G or --qos=high",
@@ -132,20 +126,26 @@ def run(c, nodes=LAUNCH.nodes, procs_per_node=LAUNCH.procs_per_node, launcher=LA
         raise Exit(code=result.exited)
 
 
-@documented(Launch, Batch, notes=NOTES, renamed=RENAMED, auto_shortflags=False,
-            iterable=["bind", "env", "directive", "setup"])
-def sbatch(c, nodes=LAUNCH.nodes, procs_per_node=LAUNCH.procs_per_node, runtime=LAUNCH.runtime,
+#: what --nodes means for a batch job, beside the Launch field's count
+NODES_RANGE = ("a count, or MIN-MAX (2-3): the job starts on as many as are free, and a "
+               "requeue after a lost node may continue on fewer")
+
+
+@documented(Launch, Batch, notes={**NOTES, "nodes": NODES_RANGE}, renamed=RENAMED,
+            auto_shortflags=False, iterable=["bind", "env", "directive", "setup"])
+def sbatch(c, nodes=str(LAUNCH.nodes), procs_per_node=LAUNCH.procs_per_node, runtime=LAUNCH.runtime,
            pmi=LAUNCH.pmi, image=LAUNCH.image, gpus_per_node=LAUNCH.gpus_per_node,
            cpus_per_task=LAUNCH.cpus_per_task, bind=None, module=LAUNCH.module, args="",
            env=None, signal="", signal_seconds=BATCH.signal_seconds, omp_threads=0, ifname="",
            job_name=BATCH.job_name, time=BATCH.time, partition=BATCH.partition,
            account=BATCH.account, output=BATCH.output, directive=None, setup=None, script="",
-           submit=False):
+           max_restarts=BATCH.max_restarts, preflight=BATCH.preflight, submit=False):
     """Write a Slurm batch script that runs MODULE with srun and requeues itself on preemption.
 
     launcher.train gets `--resume auto` so a requeued job continues from its last checkpoint.
     """
     with user_errors():
+        nodes, max_nodes = batch_script.node_range(nodes)
         launch = _launch(
             nodes=nodes, procs_per_node=procs_per_node, launcher="srun", runtime=runtime,
             pmi=pmi, image=image, gpus_per_node=gpus_per_node, cpus_per_task=cpus_per_task,
@@ -163,7 +163,8 @@ def sbatch(c, nodes=LAUNCH.nodes, procs_per_node=LAUNCH.procs_per_node, runtime=
             job_name=job_name, time=time, partition=partition, account=account,
             signal=_signal(signal),
             signal_seconds=signal_seconds, output=output, directives=tuple(directive or ()),
-            setup=tuple(setup or ()),
+            setup=tuple(setup or ()), max_restarts=max_restarts, max_nodes=max_nodes,
+            preflight=preflight,
         ))
     path = Path(script or f"{job_name}.sbatch")
     path.write_text(text)

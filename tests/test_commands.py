@@ -18,6 +18,7 @@ import re
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -26,7 +27,7 @@ from ddp_tasks.batch_script import EXIT_STATUS_FILE, TRAIN_RUN_DIR, Batch, batch
 from ddp_tasks.commands import launch_segments, parse_env, program_env, render, with_resume
 from ddp_tasks.launch_spec import Launch
 from launcher import exit_status
-from launcher.errors import EXIT_PEER_LOST, EXIT_PREEMPTED, EXIT_USER_ERROR, LaunchError
+from launcher.errors import EXIT_PREEMPTED, EXIT_USER_ERROR, LaunchError
 from tests.fixtures.golden import GOLDEN, golden
 from tests.fixtures.mpi import mpiexec_path
 from tests.fixtures.requirements import missing
@@ -179,6 +180,23 @@ def test_sbatch_cli_writes_the_script(tmp_path):
     assert os.access(tmp_path / "ddp.sbatch", os.X_OK)
 
 
+def test_sbatch_cli_takes_a_node_range_restarts_and_preflight(tmp_path):
+    flags = ["--nodes", "2-3", "--max-restarts", "2", "--preflight", *SBATCH_FLAGS[2:]]
+    result = invoke("sbatch", *flags, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    expected = replace(SBATCH_BATCH, max_nodes=3, max_restarts=2, preflight=True)
+    assert (tmp_path / "ddp.sbatch").read_text() == batch_script(SBATCH_LAUNCH, expected)
+
+
+@pytest.mark.parametrize(("nodes", "error"), [("3-2", "the range is empty"),
+                                              ("two", "neither a count nor a range")])
+def test_sbatch_cli_refuses_a_bad_node_range(tmp_path, nodes, error):
+    result = invoke("sbatch", "--nodes", nodes, cwd=tmp_path)
+    assert result.returncode == EXIT_USER_ERROR
+    assert error in result.stderr and "HINT:" in result.stderr
+    assert not (tmp_path / "ddp.sbatch").exists()
+
+
 def test_sbatch_cli_submits(tmp_path):
     stubs = _stubs(tmp_path, {"sbatch": 'echo "$@" > "$STUB_LOG/sbatch"; echo "4242;cluster"'})
     result = invoke("sbatch", "--submit", "--script", "job.sh", cwd=tmp_path,
@@ -292,7 +310,8 @@ def test_sbatch_script_requeues_on_75(tmp_path, srun_exit, scontrol_exit, script
     [
         # torchrun's 1 after a preemption: the file says 75
         (1, "75 preempted, runs/train/checkpoints/ckpt-00000009.pt saved", 0, True),
-        (143, "3 lost contact with rank 1 on n7", EXIT_PEER_LOST, False),
+        # srun's 143 after a lost node: the file says 3, which requeues without the node
+        (143, "3 lost contact with rank 1 on n7", 0, True),
         (1, None, 1, False),  # nothing written: srun's status stands, not the previous attempt's
         (0, None, 0, False),
     ],
