@@ -12,12 +12,13 @@ from __future__ import annotations
 import shlex
 
 from launcher.errors import EXIT_PEER_LOST, EXIT_PREEMPTED
-from launcher.exit_status import FILE_NAME, LOST_NODES_FILE
+from launcher.run_files import EXIT_STATUS_FILE, LOST_NODES_FILE, SLOW_NODES_FILE
 
 #: launcher.train's --run-dir default and the file launcher.exit_status writes there
 TRAIN_RUN_DIR = "runs/train"
-EXIT_STATUS_FILE = FILE_NAME
 ATTEMPTS_LOG = "attempts.log"
+#: where the preflight writes the slow nodes, as the script names it
+SLOW_NODES = f'"$run_dir/{SLOW_NODES_FILE}"'
 
 _REQUEUE = """\
 # Requeue this job: the next attempt resumes from the last checkpoint. scontrol requeue ends
@@ -48,7 +49,7 @@ exit "$status"
 def train_prologue(run_dir: str, max_restarts: int) -> str:
     """The run directory's files, the attempt log and the requeue functions."""
     files = "\n".join(f"{name}={shlex.quote(f'{run_dir}/{file}')}" for name, file in (
-        ("status_file", FILE_NAME), ("lost_file", LOST_NODES_FILE),
+        ("status_file", EXIT_STATUS_FILE), ("lost_file", LOST_NODES_FILE),
         ("attempts_log", ATTEMPTS_LOG)))
     return f"""run_dir={shlex.quote(run_dir)}
 {files}
@@ -94,14 +95,14 @@ def preflight_lines(check: str) -> str:
     """Run the preflight ``check``; requeue without the nodes it names."""
     return f"""\
 # Preflight: launcher.check measures every node and names the slow ones (none: empty file).
-rm -f "$run_dir/slow-nodes"
+rm -f {SLOW_NODES}
 {check} || {{
     status=$?
     log_attempt "preflight failed: exit $status: passed on"
     exit "$status"
 }}
-if [ -s "$run_dir/slow-nodes" ]; then
-    requeue_without "$(paste -sd, "$run_dir/slow-nodes")" "preflight named slow nodes" ||
+if [ -s {SLOW_NODES} ]; then
+    requeue_without "$(paste -sd, {SLOW_NODES})" "preflight named slow nodes" ||
         log_attempt "training on them anyway"
 fi
 """

@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass, replace
 
 from ddp_tasks.batch_endings import (
-    EXIT_STATUS_FILE,
+    SLOW_NODES,
     TRAIN_RUN_DIR,
     plain_ending,
     preflight_lines,
@@ -21,6 +21,7 @@ from ddp_tasks.commands import launch_segments, render
 from ddp_tasks.launch_spec import Launch
 from launcher.env import parse_signal
 from launcher.errors import LaunchError
+from launcher.run_files import EXIT_STATUS_FILE
 
 __all__ = ["EXIT_STATUS_FILE", "TRAIN_RUN_DIR", "Batch", "batch_script", "node_range",
            "submit_argv"]
@@ -79,8 +80,7 @@ def batch_script(launch: Launch, batch: Batch) -> str:
         if batch.preflight:
             check = replace(launch, module="launcher.check",
                             args=("--preflight", "--slow-nodes", "__SLOW_NODES__"))
-            preflight = preflight_lines(_step(check, ranged).replace(
-                "__SLOW_NODES__", '"$run_dir/slow-nodes"'))
+            preflight = preflight_lines(_step(check, ranged).replace("__SLOW_NODES__", SLOW_NODES))
         body = (train_prologue(run_dir, batch.max_restarts) + preflight
                 + f"{step}\nstatus=$?\n" + train_ending())
     return f"""#!/bin/bash

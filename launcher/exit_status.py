@@ -35,9 +35,7 @@ from launcher.errors import (
     raised_everywhere,
 )
 from launcher.preemption import Preempted
-
-FILE_NAME = "exit-status"
-LOST_NODES_FILE = "lost-nodes"
+from launcher.run_files import EXIT_STATUS_FILE, LOST_NODES_FILE
 
 
 @contextmanager
@@ -73,4 +71,4 @@ def _write(run_dir: Path, status: int, reason: str) -> None:
     line = " ".join(f"{status} {reason}".split())  # one line, whatever the message held
     # the run directory may be the problem being reported, or gone: the log says so
     with suppress(OSError):
-        write_atomic(run_dir / FILE_NAME, f"{line}\n".encode())
+        write_atomic(run_dir / EXIT_STATUS_FILE, f"{line}\n".encode())

@@ -26,7 +26,7 @@ import pytest
 from ddp_tasks.batch_script import EXIT_STATUS_FILE, TRAIN_RUN_DIR, Batch, batch_script
 from ddp_tasks.commands import launch_segments, parse_env, program_env, render, with_resume
 from ddp_tasks.launch_spec import Launch
-from launcher import exit_status
+from launcher import run_files
 from launcher.errors import EXIT_PREEMPTED, EXIT_USER_ERROR, LaunchError
 from tests.fixtures.golden import GOLDEN, golden
 from tests.fixtures.mpi import mpiexec_path
@@ -342,7 +342,7 @@ def test_status_file_is_where_launcher_train_writes_it():
     from launcher.config import TrainConfig
 
     assert Path(TRAIN_RUN_DIR) == TrainConfig().run_dir
-    assert EXIT_STATUS_FILE == exit_status.FILE_NAME
+    assert EXIT_STATUS_FILE == run_files.EXIT_STATUS_FILE
     custom = Launch(launcher="srun", args=("--run-dir", "/scratch/my run"))
     assert "status_file='/scratch/my run/exit-status'\n" in batch_script(custom, Batch())
     other = Launch(launcher="srun", module="mine")

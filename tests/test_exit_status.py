@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher import checkpoint, exit_status
+from launcher import checkpoint, exit_status, run_files
 from launcher.errors import EXIT_PEER_LOST, EXIT_PREEMPTED, PeerLost
 from tests.fixtures.mpi import REPO_ROOT, clean_environ
 from tests.test_train import RESUME_FLAGS, _wait_for_step
@@ -63,12 +63,13 @@ def test_lost_peer_names_its_nodes_beside_the_status(tmp_path):
     """``lost-nodes``: what the batch script excludes from the requeued job, one per line."""
     with pytest.raises(PeerLost), exit_status.recorded(tmp_path, rank=1):
         raise PeerLost("rank 1 on n0 lost contact: rank 2 (n2), rank 3 (n3)", nodes=("n2", "n3"))
-    assert (tmp_path / exit_status.LOST_NODES_FILE).read_text() == "n2\nn3\n"
-    assert (tmp_path / exit_status.FILE_NAME).read_text().startswith(f"{EXIT_PEER_LOST} rank 1")
+    assert (tmp_path / run_files.LOST_NODES_FILE).read_text() == "n2\nn3\n"
+    status = (tmp_path / run_files.EXIT_STATUS_FILE).read_text()
+    assert status.startswith(f"{EXIT_PEER_LOST} rank 1")
 
 
 def test_a_survivor_that_named_nobody_leaves_the_names_alone(tmp_path):
-    (tmp_path / exit_status.LOST_NODES_FILE).write_text("n2\n")  # another survivor's
+    (tmp_path / run_files.LOST_NODES_FILE).write_text("n2\n")  # another survivor's
     with pytest.raises(PeerLost), exit_status.recorded(tmp_path, rank=0):
         raise PeerLost("rank 0 on n0 lost contact")
-    assert (tmp_path / exit_status.LOST_NODES_FILE).read_text() == "n2\n"
+    assert (tmp_path / run_files.LOST_NODES_FILE).read_text() == "n2\n"

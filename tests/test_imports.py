@@ -1,9 +1,12 @@
 """The import graph read from the source (``ast``, TYPE_CHECKING imports too): no cycle in
-``ddp_tasks`` or ``launcher``, and the rank side never imports the host side."""
+``ddp_tasks`` or ``launcher``, and the rank side never imports the host side; the host side
+loads no torch."""
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -59,3 +62,12 @@ def test_the_rank_side_needs_no_host_side():
     host = {module for module, found in imports("launcher").items()
             if any(name.split(".")[0] == "ddp_tasks" for name in found)}
     assert host == set()
+
+
+def test_the_tasks_do_not_load_torch():
+    """invoke starts in a fraction of a second: torch (seconds to import) is for the ranks."""
+    probe = "import sys, tasks; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))"
+    result = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "[]\n"
