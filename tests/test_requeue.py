@@ -23,6 +23,7 @@ import pytest
 from ddp_tasks.batch_script import Batch, batch_script
 from ddp_tasks.launch_spec import Launch
 from tests.fixtures.etc_hosts import loopback_names
+from tests.fixtures.left_behind import mapped_by_anyone
 from tests.fixtures.mpi import REPO_ROOT, json_objects
 from tests.fixtures.requirements import missing
 from tests.test_batch_endings import attempts
@@ -44,21 +45,10 @@ def shm_unchanged():
     before = set(os.listdir("/dev/shm"))
     yield
     deadline = time.monotonic() + 15
-    while (left := set(os.listdir("/dev/shm")) - before - _mapped_shm()) and (
+    while (left := set(os.listdir("/dev/shm")) - before - mapped_by_anyone()) and (
             time.monotonic() < deadline):
         time.sleep(1)
     assert not left, f"left in /dev/shm: {sorted(left)}"
-
-
-def _mapped_shm() -> set[str]:
-    names = set()
-    for maps in Path("/proc").glob("[0-9]*/maps"):
-        try:
-            text = maps.read_text()
-        except OSError:
-            continue
-        names.update(re.findall(r" /dev/shm/(\S+)", text))
-    return names
 
 
 def _submit(cluster, tmp_path: Path, launch: Launch, batch: Batch) -> int:
