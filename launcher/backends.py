@@ -44,7 +44,7 @@ class BackendFacts:
     cuda_available: bool
     #: torch was built with MPI (``torch.distributed.is_mpi_available()``)
     native_mpi: bool
-    #: the libmpi mpi4py would load is the bundled MPICH (``launcher.mpi_library.choose``)
+    #: the libmpi mpi4py would load is the bundled MPICH (``launcher.mpi_library.chosen``)
     bundled_mpich: bool
 
 

@@ -108,6 +108,13 @@ def choose(env: JobEnv, bundled: tuple[Path, ...] | None = None) -> MpiChoice:
 _loaded: MpiChoice | None = None
 
 
+def chosen(env: JobEnv) -> MpiChoice:
+    """The choice ``load`` made, else the one it would make, without loading anything. Not
+    ``choose`` again once loaded: ``load`` sets MPI4PY_LIBMPI, which a later JobEnv reads as
+    the user's own request (in the image, the ``.pth`` line loads before any entry point)."""
+    return _loaded if _loaded is not None else choose(env)
+
+
 def load(env: JobEnv) -> MpiChoice:
     """Point mpi4py at the chosen library, once, before it is imported; returns the choice."""
     global _loaded

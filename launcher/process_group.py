@@ -67,7 +67,7 @@ def process_group(
     """
     cuda_available = torch.cuda.is_available()
     facts = BackendFacts(cuda_available, dist.is_mpi_available(),
-                         mpi_library.choose(env).bundled_mpich)
+                         mpi_library.chosen(env).bundled_mpich)
     chosen = plan(backend, env, facts)
     device = bind_device(env, cuda_available)
     timeout = timedelta(seconds=timeout_s)

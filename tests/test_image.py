@@ -212,6 +212,17 @@ def test_check_passes_on_two_ranks_with_the_image_mpiexec(cpu_image, run_in_imag
     assert IDENTITY in output
 
 
+@docker_test
+def test_auto_is_the_mpi_backend_under_the_image_mpiexec(cpu_image, run_in_image):
+    """The .pth line loads MPI before the entry point: its own MPI4PY_LIBMPI must not read as
+    the user's choice, which made --backend auto fall back to gloo in the image."""
+    status, output = run_in_image(cpu_image, [
+        "mpiexec", "-n", "2", "python", "-m", "launcher.train", "--max-steps", "2",
+        "--run-dir", "/tmp/run", "--data-dir", "/tmp/data"], shm_size="1g")
+    assert status == 0, output
+    assert "2 rank(s), backend mpi4py, device cpu" in output, output
+
+
 #: a plain `import mpi4py` as a user's script would, without starting MPI
 _LIBRARY = ("import mpi4py; mpi4py.rc.initialize = False; from mpi4py import MPI; "
             "print(MPI.__file__.split('/')[-1].split('.')[1], "

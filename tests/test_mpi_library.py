@@ -136,6 +136,24 @@ def test_load_points_mpi4py_at_the_choice_once(monkeypatch, bundled):
     assert mpi_library.load(detect_environment(OPENMPI, hostname="n1")).path == str(bundled[0])
 
 
+def test_the_choice_outlives_the_variable_load_writes(monkeypatch, bundled):
+    """In the image, the .pth line loads before any entry point: the JobEnv the entry point
+    detects then carries load's own MPI4PY_LIBMPI, which must not read as the user's request
+    (it turned --backend auto into gloo across the compose cluster's nodes)."""
+    monkeypatch.setattr(mpi_library, "_loaded", None)
+    monkeypatch.setattr(mpi_library, "BUNDLED_MPICH", bundled[0])
+    monkeypatch.setattr(mpi_library, "BUNDLED_OPENMPI", bundled[1])
+    monkeypatch.delitem(mpi_library.sys.modules, "mpi4py.MPI", raising=False)
+    environ: dict[str, str] = {}
+    monkeypatch.setattr(mpi_library.os, "environ", environ)
+    assert mpi_library.chosen(detect_environment(HYDRA, hostname="n1")).bundled_mpich
+    mpi_library.load(detect_environment(HYDRA, hostname="n1"))
+    later = detect_environment({**HYDRA, **environ}, hostname="n1")
+    assert later.mpi4py_request == f"MPI4PY_LIBMPI={bundled[0]}"
+    assert not mpi_library.choose(later).bundled_mpich  # read afresh: "set by the user"
+    assert mpi_library.chosen(later).bundled_mpich
+
+
 @pytest.mark.parametrize("environ, cause", [
     (SLURM_STEP, "srun started the tasks without a PMI"),
     ({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
