@@ -59,7 +59,12 @@ def _submit(cluster, tmp_path: Path, launch: Launch, batch: Batch) -> int:
     assert lint.returncode == 0, lint.stdout
     # `python` in the step is the venv's, as it would be the image's
     path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
-    return cluster.sbatch(script, cwd=tmp_path, env={"PATH": path, "PYTHONPATH": str(REPO_ROOT)})
+    # The three "nodes" share one host, so the MPICH wheel's UCX reaches a peer on another
+    # node by CMA, which no two real nodes can: a survivor mid-transfer with a killed peer
+    # then dies in UCX's fatal error (process_vm_readv: No such process, SIGABRT) before it
+    # can name the lost node (1 run in the CI of 2026-11-24). Real nodes fail over TCP/IB.
+    env = {"PATH": path, "PYTHONPATH": str(REPO_ROOT), "UCX_TLS": "^cma"}
+    return cluster.sbatch(script, cwd=tmp_path, env=env)
 
 
 def _train_args(tmp_path: Path, *extra: str) -> tuple[str, ...]:
