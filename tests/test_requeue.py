@@ -72,6 +72,17 @@ def _train_args(tmp_path: Path, *extra: str) -> tuple[str, ...]:
             *TRAIN_FLAGS, *extra)
 
 
+def _train_on_two_nodes(tmp_path: Path, backend: str) -> Launch:
+    """launcher.train on 2 nodes, 1 rank each, straight under srun."""
+    return Launch(nodes=2, procs_per_node=1, launcher="srun", runtime="none",
+                  args=_train_args(tmp_path, "--backend", backend))
+
+
+def _batch(tmp_path: Path, name: str, **fields) -> Batch:
+    """A 10-minute job whose output is ``tmp_path/job-ID.out``."""
+    return Batch(job_name=name, time="00:10:00", output=str(tmp_path / "job-%j.out"), **fields)
+
+
 def _wait_for_step(run_dir: Path, step: int, timeout: float = 180) -> None:
     deadline = time.monotonic() + timeout
     path = run_dir / "metrics.jsonl"
@@ -129,10 +140,8 @@ def test_lost_node_is_left_out_of_the_requeued_job(slurm_cluster3, tmp_path, shm
     """2 nodes of 3: kill every rank on the second node mid-run; the job requeues by itself,
     never lands on that node again (the spare takes its place), and finishes with equal
     hashes. ``auto`` is MPI under srun --mpi=pmi2 on CPU."""
-    launch = Launch(nodes=2, procs_per_node=1, launcher="srun", runtime="none",
-                    args=_train_args(tmp_path, "--backend", backend))
-    batch = Batch(job_name="lost", time="00:10:00", output=str(tmp_path / "job-%j.out"),
-                  max_restarts=2)
+    launch = _train_on_two_nodes(tmp_path, backend)
+    batch = _batch(tmp_path, "lost", max_restarts=2)
     job_id = _submit(slurm_cluster3, tmp_path, launch, batch)
     _wait_for_step(tmp_path / "run", 12)
     first_nodes = slurm_cluster3.job_fields(job_id)["NodeList"]
@@ -155,10 +164,8 @@ def test_lost_node_is_left_out_of_the_requeued_job(slurm_cluster3, tmp_path, shm
 def test_the_job_continues_on_the_nodes_left(slurm_cluster3, tmp_path, shm_unchanged):
     """--nodes 2-3 starts on all three; one is lost, and the requeued job resumes the 3-rank
     checkpoint on the 2 nodes left."""
-    launch = Launch(nodes=2, procs_per_node=1, launcher="srun", runtime="none",
-                    args=_train_args(tmp_path, "--backend", "gloo"))
-    batch = Batch(job_name="shrink", time="00:10:00", output=str(tmp_path / "job-%j.out"),
-                  max_nodes=3)
+    launch = _train_on_two_nodes(tmp_path, "gloo")
+    batch = _batch(tmp_path, "shrink", max_nodes=3)
     job_id = _submit(slurm_cluster3, tmp_path, launch, batch)
     _wait_for_step(tmp_path / "run", 12)
     nodes = slurm_cluster3.job_fields(job_id)["NodeList"]
@@ -199,10 +206,8 @@ def test_preflight_leaves_a_slow_node_out(slurm_cluster3, tmp_path, shm_unchange
     requeues the job without it. The requeued attempt is not waited for: on a loaded 2-core
     machine the preflight may also name a healthy node (a link measured while others ran),
     and with two nodes excluded the 2-node job would stay pending."""
-    launch = Launch(nodes=2, procs_per_node=1, launcher="srun", runtime="none",
-                    args=_train_args(tmp_path, "--backend", "gloo"))
-    batch = Batch(job_name="preflight", time="00:10:00", output=str(tmp_path / "job-%j.out"),
-                  max_nodes=3, preflight=True)
+    launch = _train_on_two_nodes(tmp_path, "gloo")
+    batch = _batch(tmp_path, "preflight", max_nodes=3, preflight=True)
     with cpu_quota(slurm_cluster3.slurmd_pid("n2"), 0.1):
         job_id = _submit(slurm_cluster3, tmp_path, launch, batch)
         deadline = time.monotonic() + 180
@@ -242,10 +247,8 @@ def _environ_value(pid: int, name: bytes) -> str:
 @pytest.mark.slurm
 def test_used_up_restarts_pass_the_status_on(slurm_cluster3, tmp_path, shm_unchanged):
     """max_restarts=0: the lost node is logged, and the job fails with the ranks' 3."""
-    launch = Launch(nodes=2, procs_per_node=1, launcher="srun", runtime="none",
-                    args=_train_args(tmp_path, "--backend", "gloo"))
-    batch = Batch(job_name="used-up", time="00:10:00", output=str(tmp_path / "job-%j.out"),
-                  max_restarts=0)
+    launch = _train_on_two_nodes(tmp_path, "gloo")
+    batch = _batch(tmp_path, "used-up", max_restarts=0)
     job_id = _submit(slurm_cluster3, tmp_path, launch, batch)
     _wait_for_step(tmp_path / "run", 5)
     victim = _kill_node_1(job_id)
@@ -266,7 +269,7 @@ def test_torchrun_preemption_requeues_through_the_script(slurm_cluster3, tmp_pat
                     module="torch.distributed.run",
                     args=("--standalone", "--nproc-per-node", "2", "-m", "launcher.train",
                           *_train_args(tmp_path, "--backend", "gloo")))
-    batch = Batch(job_name="torchrun", time="00:10:00", output=str(tmp_path / "job-%j.out"))
+    batch = _batch(tmp_path, "torchrun")
     job_id = _submit(slurm_cluster3, tmp_path, launch, batch)
     _wait_for_step(tmp_path / "run", 12)
     (rank_1,) = _rank_pids(job_id, b"RANK=1")
