@@ -4,7 +4,9 @@ lost (3), at most ``max_restarts`` times, and pass every other status on.
 
 The ranks of launcher.train (also under torchrun) write ``exit-status`` and ``lost-nodes`` to
 the run directory (``launcher.exit_status``); the script logs each attempt to
-``attempts.log`` there, which also counts the restarts.
+``attempts.log`` there, which also counts the restarts. When no rank could say how the step
+ended, the records the ranks left in ``ranks/`` (``launcher.rank_record``) tell which ones
+ended first without a word: their nodes are lost.
 """
 
 from __future__ import annotations
@@ -12,7 +14,13 @@ from __future__ import annotations
 import shlex
 
 from launcher.errors import EXIT_PEER_LOST, EXIT_PREEMPTED
-from launcher.run_files import EXIT_STATUS_FILE, LOST_NODES_FILE, SLOW_NODES_FILE
+from launcher.rank_record import TOUCH_S
+from launcher.run_files import (
+    EXIT_STATUS_FILE,
+    LOST_NODES_FILE,
+    RANK_RECORDS_DIR,
+    SLOW_NODES_FILE,
+)
 
 #: launcher.train's --run-dir default and the file launcher.exit_status writes there
 TRAIN_RUN_DIR = "runs/train"
@@ -50,12 +58,13 @@ def train_prologue(run_dir: str, max_restarts: int) -> str:
     """The run directory's files, the attempt log and the requeue functions."""
     files = "\n".join(f"{name}={shlex.quote(f'{run_dir}/{file}')}" for name, file in (
         ("status_file", EXIT_STATUS_FILE), ("lost_file", LOST_NODES_FILE),
-        ("attempts_log", ATTEMPTS_LOG)))
+        ("attempts_log", ATTEMPTS_LOG), ("ranks_dir", RANK_RECORDS_DIR)))
     return f"""run_dir={shlex.quote(run_dir)}
 {files}
 # requeues after a lost or slow node, per job (preemptions are not counted)
 max_restarts={max_restarts}
-rm -f "$status_file" "$lost_file"  # a previous attempt's ending must not decide this one
+# a previous attempt's ending must not decide this one
+rm -rf "$status_file" "$lost_file" "$ranks_dir"
 
 # One line per attempt in the run directory, which the ranks make: when, which job and
 # attempt, where, what. Not made here: a run directory missing on this host is another path
@@ -66,6 +75,30 @@ log_attempt() {{
 }}
 
 {_REQUEUE}
+# The nodes of the ranks that ended first without a word (killed, or their node lost), when
+# no rank could say: the ranks' records left in $ranks_dir (launcher.rank_record). A record's
+# first line is its node; more lines are a traceback (a fatal signal ended the rank); its time
+# is when the rank was last known alive. Silent records from before the first crash, or from
+# {2 * TOUCH_S:.0f} s before the last record, are lost (a survivor may crash, or hang until srun's
+# --wait ends it, when its peer dies). Prints the crashes; none lost when nobody can tell.
+quiet_first() {{
+    local mtime path
+    for path in "$ranks_dir"/*; do
+        [ -f "$path" ] && [ "$(wc -l < "$path")" -gt 1 ] &&
+            echo "job $SLURM_JOB_ID: rank ${{path##*/}} on $(head -n 1 "$path"):" \\
+                "$(sed -n 2p "$path") (traceback: $path)" >&2
+    done
+    find "$ranks_dir" -type f -printf '%T@ %p\\n' 2> /dev/null | while read -r mtime path; do
+        echo "$mtime $(wc -l < "$path") $(head -n 1 "$path")"
+    done | awk -v gap={2 * TOUCH_S:g} '
+        $2 > 1 && (first == "" || $1 < first) {{ first = $1 }}
+        {{ at[NR] = $1; silent[NR] = $2 <= 1; node[NR] = $3; if ($1 > last) last = $1 }}
+        END {{
+            limit = first != "" ? first : last - gap
+            for (i = 1; i <= NR; i++) if (silent[i] && at[i] <= limit) print node[i]
+        }}' | sort -u | paste -sd,
+}}
+
 # Requeue without the nodes $1 (comma-separated; none when empty) because of $2: exits the
 # script, or returns 1 when this job used all its restarts (counted in the attempt log, so a
 # log that cannot be written means no requeue).
@@ -116,6 +149,11 @@ def train_ending() -> str:
 if [ "$status" -ne 0 ] && [ -s "$status_file" ]; then
     read -r status reason < "$status_file"
     echo "job $SLURM_JOB_ID: the ranks report exit $status: $reason" >&2
+    lost=$(paste -sd, "$lost_file" 2> /dev/null)
+elif [ "$status" -ne 0 ] && lost=$(quiet_first) && [ -n "$lost" ]; then
+    echo "job $SLURM_JOB_ID: exit $status and no rank said why; the ranks on $lost ended" \\
+        "first without a word (killed, or the node lost): exit {EXIT_PEER_LOST}" >&2
+    status={EXIT_PEER_LOST}
 fi
 case $status in
     {EXIT_PREEMPTED})
@@ -127,9 +165,9 @@ case $status in
         exit $?
         ;;
     {EXIT_PEER_LOST})
-        # a peer was lost: requeue without the nodes the survivors named (none named: with
-        # the same nodes excluded as before); once the restarts are used up, pass it on
-        lost=$(paste -sd, "$lost_file" 2> /dev/null)
+        # a peer was lost: requeue without the nodes the survivors named or that went quiet
+        # first (none: with the same nodes excluded as before); once the restarts are used
+        # up, pass it on
         requeue_without "$lost" "exit {EXIT_PEER_LOST}, lost ${{lost:-a node nobody named}}"
         ;;
 esac

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn, TextIO
@@ -33,7 +33,7 @@ from typing import NoReturn, TextIO
 import torch
 import torch.distributed as dist
 
-from launcher import checkpoint, exit_status
+from launcher import checkpoint, exit_status, rank_record
 from launcher.agreement import agree
 from launcher.env import JobEnv, detect_environment
 from launcher.errors import (
@@ -206,15 +206,25 @@ def distributed(backend: str = "auto", timeout_s: float = 300.0,
                 status_dir: str | Path | None = None) -> Iterator[Job]:
     """Run the body as one rank of a distributed job (see the module docstring). With
     ``status_dir`` (the run directory), an ending other than success is also written to
-    ``status_dir/exit-status`` for the batch script (``launcher.exit_status``)."""
+    ``status_dir/exit-status`` for the batch script (``launcher.exit_status``), and each rank
+    keeps a record there while it runs (``launcher.rank_record``)."""
     with exit_statuses():
         timeout_s = _checked_timeout(timeout_s)
         env = detect_environment()
-        recorded = (nullcontext() if status_dir is None
-                    else exit_status.recorded(Path(status_dir), env.rank))
-        with recorded, PreemptionWatch(env.preempt_signal, env.rank) as watch, \
+        with _witnessed(status_dir, env), PreemptionWatch(env.preempt_signal, env.rank) as watch, \
                 process_group(env, backend, timeout_s) as ctx:
             yield Job(ctx.env, ctx.backend, ctx.device, watch)
+
+
+def _witnessed(status_dir: str | Path | None, env: JobEnv) -> AbstractContextManager:
+    """The run directory's files for the batch script: this rank's record while it runs, and
+    the exit status, written before the record goes."""
+    if status_dir is None:
+        return nullcontext()
+    files = ExitStack()
+    files.enter_context(rank_record.kept(Path(status_dir), env.rank, env.node_name))
+    files.enter_context(exit_status.recorded(Path(status_dir), env.rank))
+    return files
 
 
 def _checked_timeout(timeout_s: object) -> float:

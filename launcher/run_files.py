@@ -9,3 +9,6 @@ EXIT_STATUS_FILE = "exit-status"
 LOST_NODES_FILE = "lost-nodes"
 #: the nodes ``launcher.check --preflight`` found slow, one per line (the batch script's name)
 SLOW_NODES_FILE = "slow-nodes"
+#: one file per running rank, left behind by a rank that ended without Python seeing it
+#: (``launcher.rank_record``): killed, its node lost, or crashed by a fatal signal
+RANK_RECORDS_DIR = "ranks"

@@ -130,6 +130,60 @@ def test_an_unwritable_log_means_no_requeue(tmp_path):
     assert calls == []
 
 
+#: a crashed rank's record (launcher.rank_record): its node, then faulthandler's traceback
+CRASHED = "{node}\nFatal Python error: Segmentation fault\n\nThread 0x7f (most recent call first):\n"
+
+
+def _left_records(*records: tuple[int, str, bool, int]) -> str:
+    """An srun stub body that leaves rank records (rank, node, crashed, seconds ago) in
+    run/ranks, as ranks that did not end through Python would, and exits 139."""
+    lines = ["mkdir -p run/ranks"]
+    for rank, node, crashed, ago in records:
+        text = CRASHED.format(node=node) if crashed else f"{node}\n"
+        lines += [f"printf '{text}' > run/ranks/{rank}",
+                  f'touch -d "@$(( $(date +%s) - {ago} ))" run/ranks/{rank}']
+    return "\n".join([*lines, "exit 139"])
+
+
+@pytest.mark.parametrize(("records", "lost"), [
+    # the survivor crashed in MPI after its peer was killed: the peer's node is lost
+    (((0, "n0", True, 0), (1, "n1", False, 1)), "n1"),
+    # a survivor that hung was ended by srun's --wait 60 s after its peer went quiet
+    (((0, "n0", False, 0), (1, "n1", False, 60)), "n1"),
+    # a rank crashed first, its peer was ended later: nobody was lost
+    (((0, "n0", True, 60), (1, "n1", False, 0)), ""),
+    # every rank ended at once (scancel, the time limit, the launcher): nobody can tell
+    (((0, "n0", False, 0), (1, "n1", False, 1)), ""),
+])
+def test_ranks_that_ended_first_without_a_word_name_the_lost_nodes(tmp_path, records, lost):
+    result, calls = _run_stubbed(tmp_path, Batch(), _left_records(*records))
+    if lost:
+        assert result.returncode == 0, result.stderr
+        assert calls[-1] == f"update JobId=4242 ExcNodeList={lost}"
+        assert _endings(tmp_path) == [f"exit 3, lost {lost}: restart 1 of 3 without {lost}"]
+        assert f"the ranks on {lost} ended first without a word" in result.stderr
+    else:
+        assert result.returncode == 139 and calls == [], result.stderr
+        assert _endings(tmp_path) == ["exit 139: passed on"]
+    crashed = [f"job 4242: rank {rank} on {node}: Fatal Python error: Segmentation fault "
+               f"(traceback: run/ranks/{rank})" for rank, node, crash, _ in records if crash]
+    assert [line for line in result.stderr.splitlines() if "Fatal" in line] == crashed
+
+
+def test_a_status_file_outweighs_the_records(tmp_path):
+    srun = _left_records((1, "n1", False, 60)).replace("exit 139", f"{LOST}; exit 139")
+    result, calls = _run_stubbed(tmp_path, Batch(), srun, lost="n0")
+    assert calls[-1] == "update JobId=4242 ExcNodeList=n0", result.stderr
+
+
+def test_records_of_an_earlier_attempt_are_removed(tmp_path):
+    (tmp_path / "run" / "ranks").mkdir(parents=True)
+    (tmp_path / "run" / "ranks" / "1").write_text("n1\n")
+    result, calls = _run_stubbed(tmp_path, Batch(), "exit 1")
+    assert result.returncode == 1 and calls == [], result.stderr
+    assert not (tmp_path / "run" / "ranks").exists()
+
+
 @pytest.mark.parametrize(("slow", "max_restarts", "requeued"), [
     ("n2", 3, True), ("", 3, False), ("n2", 0, False)])
 def test_preflight_excludes_the_slow_nodes(tmp_path, slow, max_restarts, requeued):

@@ -123,18 +123,8 @@ def _assert_completed(cluster, job_id: int, tmp_path: Path) -> str:
     return output
 
 
-#: issue #25, open: under the mpi backend (auto under srun pmi2 on CPU) the survivor often
-#: dies inside the MPICH wheel when its peer is killed (SIGSEGV, or UCX's SIGABRT from
-#: process_vm_readv), before it can name the lost node; the script then passes 139/137 on.
-#: Both CI runs of 2026-11-24 failed so; the helpers' runs passed. Not strict: when it passes,
-#: XPASS shows it.
-MPI_SURVIVOR_MAY_CRASH = pytest.mark.xfail(
-    strict=False, reason="#25: a survivor may crash in MPICH/UCX when its peer is killed")
-
-
 @pytest.mark.slurm
-@pytest.mark.parametrize("backend", [pytest.param("auto", marks=MPI_SURVIVOR_MAY_CRASH),
-                                     "gloo"])
+@pytest.mark.parametrize("backend", ["auto", "gloo"])
 def test_lost_node_is_left_out_of_the_requeued_job(slurm_cluster3, tmp_path, shm_unchanged,
                                                     backend):
     """2 nodes of 3: kill every rank on the second node mid-run; the job requeues by itself,

@@ -17,9 +17,11 @@ run_dir=runs/train
 status_file=runs/train/exit-status
 lost_file=runs/train/lost-nodes
 attempts_log=runs/train/attempts.log
+ranks_dir=runs/train/ranks
 # requeues after a lost or slow node, per job (preemptions are not counted)
 max_restarts=3
-rm -f "$status_file" "$lost_file"  # a previous attempt's ending must not decide this one
+# a previous attempt's ending must not decide this one
+rm -rf "$status_file" "$lost_file" "$ranks_dir"
 
 # One line per attempt in the run directory, which the ranks make: when, which job and
 # attempt, where, what. Not made here: a run directory missing on this host is another path
@@ -34,6 +36,30 @@ log_attempt() {
 requeue() {
     trap '' TERM
     scontrol requeue "$SLURM_JOB_ID"
+}
+
+# The nodes of the ranks that ended first without a word (killed, or their node lost), when
+# no rank could say: the ranks' records left in $ranks_dir (launcher.rank_record). A record's
+# first line is its node; more lines are a traceback (a fatal signal ended the rank); its time
+# is when the rank was last known alive. Silent records from before the first crash, or from
+# 10 s before the last record, are lost (a survivor may crash, or hang until srun's
+# --wait ends it, when its peer dies). Prints the crashes; none lost when nobody can tell.
+quiet_first() {
+    local mtime path
+    for path in "$ranks_dir"/*; do
+        [ -f "$path" ] && [ "$(wc -l < "$path")" -gt 1 ] &&
+            echo "job $SLURM_JOB_ID: rank ${path##*/} on $(head -n 1 "$path"):" \
+                "$(sed -n 2p "$path") (traceback: $path)" >&2
+    done
+    find "$ranks_dir" -type f -printf '%T@ %p\n' 2> /dev/null | while read -r mtime path; do
+        echo "$mtime $(wc -l < "$path") $(head -n 1 "$path")"
+    done | awk -v gap=10 '
+        $2 > 1 && (first == "" || $1 < first) { first = $1 }
+        { at[NR] = $1; silent[NR] = $2 <= 1; node[NR] = $3; if ($1 > last) last = $1 }
+        END {
+            limit = first != "" ? first : last - gap
+            for (i = 1; i <= NR; i++) if (silent[i] && at[i] <= limit) print node[i]
+        }' | sort -u | paste -sd,
 }
 
 # Requeue without the nodes $1 (comma-separated; none when empty) because of $2: exits the
@@ -68,6 +94,11 @@ status=$?
 if [ "$status" -ne 0 ] && [ -s "$status_file" ]; then
     read -r status reason < "$status_file"
     echo "job $SLURM_JOB_ID: the ranks report exit $status: $reason" >&2
+    lost=$(paste -sd, "$lost_file" 2> /dev/null)
+elif [ "$status" -ne 0 ] && lost=$(quiet_first) && [ -n "$lost" ]; then
+    echo "job $SLURM_JOB_ID: exit $status and no rank said why; the ranks on $lost ended" \
+        "first without a word (killed, or the node lost): exit 3" >&2
+    status=3
 fi
 case $status in
     75)
@@ -79,9 +110,9 @@ case $status in
         exit $?
         ;;
     3)
-        # a peer was lost: requeue without the nodes the survivors named (none named: with
-        # the same nodes excluded as before); once the restarts are used up, pass it on
-        lost=$(paste -sd, "$lost_file" 2> /dev/null)
+        # a peer was lost: requeue without the nodes the survivors named or that went quiet
+        # first (none: with the same nodes excluded as before); once the restarts are used
+        # up, pass it on
         requeue_without "$lost" "exit 3, lost ${lost:-a node nobody named}"
         ;;
 esac
