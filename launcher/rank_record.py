@@ -71,6 +71,7 @@ class RankRecord:
         self._file = None
         with suppress(OSError):
             self._path.unlink()
+            self._path.parent.rmdir()  # the last rank to end leaves no empty directory
 
 
 @contextmanager
