@@ -131,7 +131,8 @@ def test_an_unwritable_log_means_no_requeue(tmp_path):
 
 
 #: a crashed rank's record (launcher.rank_record): its node, then faulthandler's traceback
-CRASHED = "{node}\nFatal Python error: Segmentation fault\n\nThread 0x7f (most recent call first):\n"
+CRASHED = ("{node}\nFatal Python error: Segmentation fault\n\n"
+           "Thread 0x7f (most recent call first):\n")
 
 
 def _left_records(*records: tuple[int, str, bool, int]) -> str:
