@@ -45,14 +45,13 @@ requeue() {
 # 10 s before the last record, are lost (a survivor may crash, or hang until srun's
 # --wait ends it, when its peer dies). Prints the crashes; none lost when nobody can tell.
 quiet_first() {
-    local mtime path
-    for path in "$ranks_dir"/*; do
-        [ -f "$path" ] && [ "$(wc -l < "$path")" -gt 1 ] &&
-            echo "job $SLURM_JOB_ID: rank ${path##*/} on $(head -n 1 "$path"):" \
-                "$(sed -n 2p "$path") (traceback: $path)" >&2
-    done
+    local mtime path lines node
     find "$ranks_dir" -type f -printf '%T@ %p\n' 2> /dev/null | while read -r mtime path; do
-        echo "$mtime $(wc -l < "$path") $(head -n 1 "$path")"
+        lines=$(wc -l < "$path")
+        node=$(head -n 1 "$path")
+        [ "$lines" -le 1 ] || echo "job $SLURM_JOB_ID: rank ${path##*/} on $node:" \
+            "$(sed -n 2p "$path") (traceback: $path)" >&2
+        echo "$mtime $lines $node"
     done | awk -v gap=10 '
         $2 > 1 && (first == "" || $1 < first) { first = $1 }
         { at[NR] = $1; silent[NR] = $2 <= 1; node[NR] = $3; if ($1 > last) last = $1 }
