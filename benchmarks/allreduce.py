@@ -51,8 +51,8 @@ from mpi4py import MPI
 from benchmarks.floor import floor
 from benchmarks.timing import COMM, measure
 from benchmarks.units import bus_factor, human
-from launcher import mpi_backend
-from launcher.models import cnn  # noqa: E402
+from launcher.mpi import backend as mpi_backend
+from launcher.training.models import cnn  # noqa: E402
 
 SIZES = [4 << 10 << (2 * i) for i in range(8)]  # 4 KiB, 16 KiB, ..., 64 MiB
 #: the gradients of the CNN: the all_reduce of each step of the weak-scaling benchmark

@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from launcher import checkpoint
-from launcher.models import build_model  # noqa: E402
+from launcher.api import checkpoint
+from launcher.training.models import build_model  # noqa: E402
 
 
 def trainer_state(model: str) -> dict:

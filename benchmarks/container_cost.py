@@ -57,8 +57,8 @@ def worker(sizes: list[int], calls: int) -> None:
     import torch
     import torch.distributed as dist
 
-    from launcher.env import detect_environment
-    from launcher.process_group import process_group
+    from launcher.group.process_group import process_group
+    from launcher.placement.env import detect_environment
 
     with process_group(detect_environment(), "mpi") as ctx:
         result = {}

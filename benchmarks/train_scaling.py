@@ -57,7 +57,7 @@ def cnn_broadcasting_buffers():
     training forward reads one, and keeps DDP's broadcast of all buffers before every forward."""
     import torch
 
-    from launcher.models import cnn
+    from launcher.training.models import cnn
 
     model = cnn()
     model.register_buffer("unread", torch.zeros(()))
@@ -114,7 +114,7 @@ class Job:
 
 def summarize(metrics_lines: list[str], record: dict) -> dict:
     """``record`` with the run's best and median samples/s and smallest step times (seconds),
-    from launcher.train's metrics.jsonl, warm-up intervals dropped."""
+    from launcher.training.train's metrics.jsonl, warm-up intervals dropped."""
     records = [r for r in map(json.loads, metrics_lines)
                if r["event"] == "step"][WARMUP_INTERVALS:]
     return {

@@ -5,7 +5,7 @@
 
 A variant is MPICH's algorithm for the non-blocking all_reduce the backend calls (an
 environment variable, read when MPI starts, hence one job per variant): its own choice, or the
-ring that launcher/mpi_library.py asks for where the ring measured faster. The variants take
+ring that launcher/mpi/library.py asks for where the ring measured faster. The variants take
 turns, one job each per round, so that the machine's drift falls on all alike; each job times
 the backend's all_reduce (``dist.all_reduce`` on the mpi4py group, float32) from 4 KiB to
 64 MiB as benchmarks/allreduce.py does, and the table gives each variant's bus bandwidth

@@ -76,7 +76,7 @@ From: {image}
 %environment
     # the Docker image's ENV, restated so the SIF does not depend on how it was converted
 {chr(10).join(environment)}
-    # Which MPI a rank loads is decided at start-up by launcher/mpi_library.py: the image's
+    # Which MPI a rank loads is decided at start-up by launcher/mpi/library.py: the image's
     # MPICH under PMI-1/PMI-2 (Hydra, srun --mpi=pmi2), its Open MPI under PMIx (srun
     # --mpi=pmix, Open MPI's mpirun), or the host's MPI when its library directory is bound
     # in (e.g. at /opt/host-mpi/lib) and named in APPTAINERENV_LD_LIBRARY_PATH.

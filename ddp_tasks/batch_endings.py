@@ -3,9 +3,9 @@
 lost (3), at most ``max_restarts`` times, and pass every other status on.
 
 The ranks of launcher.train (also under torchrun) write ``exit-status`` and ``lost-nodes`` to
-the run directory (``launcher.exit_status``); the script logs each attempt to
+the run directory (``launcher.faults.exit_status``); the script logs each attempt to
 ``attempts.log`` there, which also counts the restarts. When no rank could say how the step
-ended, the records the ranks left in ``ranks/`` (``launcher.rank_record``) tell which ones
+ended, the records the ranks left in ``ranks/`` (``launcher.faults.rank_record``) tell which ones
 ended first without a word: their nodes are lost.
 """
 
@@ -13,16 +13,16 @@ from __future__ import annotations
 
 import shlex
 
-from launcher.errors import EXIT_PEER_LOST, EXIT_PREEMPTED
-from launcher.rank_record import TOUCH_S
-from launcher.run_files import (
+from launcher.core.errors import EXIT_PEER_LOST, EXIT_PREEMPTED
+from launcher.core.run_files import (
     EXIT_STATUS_FILE,
     LOST_NODES_FILE,
     RANK_RECORDS_DIR,
     SLOW_NODES_FILE,
 )
+from launcher.faults.rank_record import TOUCH_S
 
-#: launcher.train's --run-dir default and the file launcher.exit_status writes there
+#: launcher.train's --run-dir default and the file launcher.faults.exit_status writes there
 TRAIN_RUN_DIR = "runs/train"
 ATTEMPTS_LOG = "attempts.log"
 #: where the preflight writes the slow nodes, as the script names it
@@ -76,7 +76,7 @@ log_attempt() {{
 
 {_REQUEUE}
 # The nodes of the ranks that ended first without a word (killed, or their node lost), when
-# no rank could say: the ranks' records left in $ranks_dir (launcher.rank_record). A record's
+# no rank could say: the ranks' records left in $ranks_dir (launcher.faults.rank_record). A record's
 # first line is its node; more lines are a traceback (a fatal signal ended the rank); its time
 # is when the rank was last known alive. Silent records from before the first crash, or from
 # {2 * TOUCH_S:.0f} s before the last record, are lost (a survivor may crash, or hang until srun's

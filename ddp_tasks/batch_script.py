@@ -19,9 +19,9 @@ from ddp_tasks.batch_endings import (
 )
 from ddp_tasks.commands import launch_segments, render
 from ddp_tasks.launch_spec import Launch
-from launcher.env import parse_signal
-from launcher.errors import LaunchError
-from launcher.run_files import EXIT_STATUS_FILE
+from launcher.core.errors import LaunchError
+from launcher.core.run_files import EXIT_STATUS_FILE
+from launcher.placement.env import parse_signal
 
 __all__ = ["EXIT_STATUS_FILE", "TRAIN_RUN_DIR", "Batch", "batch_script", "node_range",
            "submit_argv"]

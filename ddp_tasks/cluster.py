@@ -34,8 +34,8 @@ from ddp_tasks.compose_spec import (
     render,
 )
 from ddp_tasks.task_errors import user_errors
-from launcher import shm
-from launcher.errors import LaunchError
+from launcher.core.errors import LaunchError
+from launcher.placement import shm
 
 HEALTH_TIMEOUT = 120  # seconds for every node of a fresh cluster to answer ssh
 COMPOSE_TIMEOUT = 300  # seconds for one docker-compose call

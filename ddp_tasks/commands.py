@@ -18,8 +18,8 @@ import shlex
 from ddp_tasks.host_launchers import HostLauncher, Srun, host_launcher
 from ddp_tasks.launch_spec import Launch, choose
 from ddp_tasks.runtimes import RUNTIMES, Runtime
-from launcher.env import parse_signal
-from launcher.errors import LaunchError
+from launcher.core.errors import LaunchError
+from launcher.placement.env import parse_signal
 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 _SEGMENT_JOIN = " \\\n    "

@@ -16,8 +16,8 @@ import yaml
 
 from ddp_tasks import flavors
 from ddp_tasks import image_commands as ic
-from launcher import shm
-from launcher.errors import LaunchError
+from launcher.core.errors import LaunchError
+from launcher.placement import shm
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCKER_DIR = ROOT / "docker"
@@ -36,7 +36,7 @@ IMAGE_REF = "${DDP_IMAGE:-" + DEFAULT_IMAGE + "}"
 #: container names are the host names (``docker exec node0``) unless clusters share an engine,
 #: as tests do: then DDP_PREFIX makes them unique
 PREFIX_REF = "${DDP_PREFIX:-}"
-#: ranks per node the committed compose file is sized for (/dev/shm: launcher.shm)
+#: ranks per node the committed compose file is sized for (/dev/shm: launcher.placement.shm)
 DEFAULT_PROCS_PER_NODE = 4
 SHARED_DIR = "/shared"
 CLUSTER_SCRIPTS = "/opt/ddp/cluster"
@@ -84,7 +84,8 @@ def _node_service(host: str, all_hosts: list[str], image: str, scripts: str,
         # Docker's 64 MiB /dev/shm and its memlock limit are too small for MPI, NCCL and RDMA
         "shm_size": shm.docker_size(shm.recommended_shm(procs_per_node)),
         **({"ulimits": {"memlock": -1}} if memlock else {}),
-        # no interface here: every rank takes the one that routes to rank 0 (launcher.network)
+        # no interface here: every rank takes the one that routes to rank 0
+        # (launcher.placement.network)
         "environment": {
             "DDP_CLUSTER_HOSTS": ",".join(all_hosts),
             "DDP_SHARED_DIR": SHARED_DIR,

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from ddp_tasks import image_commands as ic
 from ddp_tasks.flavors import Flavor
-from launcher.errors import LaunchError
+from launcher.core.errors import LaunchError
 
 DOCKER_TIMEOUT = 3600  # seconds; a cold build downloads a few hundred MB of wheels
 

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from launcher.errors import LaunchError
+from launcher.core.errors import LaunchError
 
 DEFAULT = "cpu"
 

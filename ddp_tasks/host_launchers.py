@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ddp_tasks.launch_spec import choose
-from launcher.errors import LaunchError
+from launcher.core.errors import LaunchError
 
 if TYPE_CHECKING:
     from ddp_tasks.launch_spec import Launch
@@ -93,7 +93,7 @@ class Srun(HostLauncher):
 
     name = "srun"
     #: --mpi: pmi2 speaks to the image's MPICH, pmix to its Open MPI; "default" leaves it to the
-    #: site's MpiDefault (launcher.mpi_library picks the matching MPI in the image either way)
+    #: site's MpiDefault (launcher.mpi.library picks the matching MPI in the image either way)
     PMIS = ("pmi2", "pmix", "default")
     #: seconds the other ranks get to end on their own after the first one ended, then they
     #: are killed. Not --kill-on-bad-exit=1: preempted ranks all exit 75 together, and killing

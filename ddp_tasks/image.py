@@ -29,7 +29,7 @@ from ddp_tasks.image_params import IMAGE, ImageParams
 from ddp_tasks.task_errors import shown_only, user_errors
 from ddp_tasks.task_params import documented
 from launcher import __version__
-from launcher.errors import LaunchError
+from launcher.core.errors import LaunchError
 
 # ---------------------------------------------------------------------------------------- base
 

@@ -90,7 +90,7 @@ def parse_build_args(pairs: str) -> dict[str, str]:
     for item in filter(None, (p.strip() for p in pairs.split(","))):
         key, sep, value = item.partition("=")
         if not sep or not key:
-            from launcher.errors import LaunchError
+            from launcher.core.errors import LaunchError
 
             raise LaunchError(f"bad build argument {item!r}",
                               hint="write build arguments as NAME=VALUE,NAME=VALUE")
@@ -177,7 +177,7 @@ _HEADER_RE = re.compile(r"^(Bootstrap|From):.*$", re.MULTILINE)
 def sif_definition(text: str, source: str, image: str) -> str:
     """The def file with its header pointed at IMAGE through the SOURCE bootstrap agent."""
     if source not in SIF_SOURCES:
-        from launcher.errors import LaunchError
+        from launcher.core.errors import LaunchError
 
         raise LaunchError(f"unknown SIF source {source!r}",
                           hint=f"use one of: {', '.join(SIF_SOURCES)}")

@@ -19,8 +19,8 @@ from ddp_tasks.batch_script import Batch
 from ddp_tasks.launch_spec import Launch
 from ddp_tasks.task_errors import user_errors
 from ddp_tasks.task_params import documented
-from launcher.errors import LaunchError
-from launcher.hostlist import expand_hostlist
+from launcher.core.errors import LaunchError
+from launcher.placement.hostlist import expand_hostlist
 
 LAUNCH, BATCH = Launch(), Batch()
 #: help for the task parameters that are not fields, or mean more on the command line

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from launcher.errors import LaunchError
+from launcher.core.errors import LaunchError
 
 
 @dataclass(frozen=True)

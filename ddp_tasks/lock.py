@@ -28,7 +28,7 @@ from ddp_tasks.engine import (
 from ddp_tasks.image_params import IMAGE, ImageParams
 from ddp_tasks.task_errors import user_errors
 from ddp_tasks.task_params import documented
-from launcher.errors import LaunchError
+from launcher.core.errors import LaunchError
 
 try:
     import tomllib

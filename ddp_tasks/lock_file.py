@@ -78,7 +78,7 @@ def resolved(report: dict) -> dict[str, tuple[str, str]]:
         digest = archive.get("hashes", {}).get("sha256") or \
             archive.get("hash", "").removeprefix("sha256=")
         if not digest:
-            from launcher.errors import LaunchError
+            from launcher.core.errors import LaunchError
 
             raise LaunchError(f"pip reported no sha256 for {item['download_info']['url']}",
                               hint="lock from an index or wheelhouse of archives, not a "
@@ -128,7 +128,7 @@ def parse(text: str) -> dict[str, dict[str, str]]:
             continue
         match = _LINE_RE.match(line)
         if current is None or not match:
-            from launcher.errors import LaunchError
+            from launcher.core.errors import LaunchError
 
             raise LaunchError(f"line {number} of the lock file is not `name==version "
                               f"--hash=sha256:...` in a section: {line!r}",

@@ -27,8 +27,8 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from ddp_tasks.compose_spec import hosts as cluster_hosts
-from launcher import shm
-from launcher.errors import LaunchError
+from launcher.core.errors import LaunchError
+from launcher.placement import shm
 
 if TYPE_CHECKING:
     from ddp_tasks.launch_spec import Launch
@@ -93,7 +93,7 @@ class Apptainer(Runtime):
 
     #: Apptainer 1.3+ (``--sharens``): the first rank of a node starts the container, the
     #: others join it, so the node's ranks share one user namespace and MPI's single-copy
-    #: transfers work between them (launcher/cma.py). Older versions ignore the variable.
+    #: transfers work between them (launcher/mpi/cma.py). Older versions ignore the variable.
     SHARE_NAMESPACES = ("APPTAINER_SHARENS", "true")
 
     def launcher_env(self, env: Env) -> Env:
@@ -128,7 +128,7 @@ class Charliecloud(Runtime):
     @staticmethod
     def join_args(launch: Launch) -> list[str]:
         """One container per node, not per rank, so that MPI's single-copy transfers work
-        between its ranks (launcher/cma.py). ch-run counts its peers from srun's or Open MPI's
+        between its ranks (launcher/mpi/cma.py). ch-run counts its peers from srun's or Open MPI's
         variables, not Hydra's: the count is given. The group's tag stays ch-run's own:
         SLURM_STEP_ID under srun, else the pid of ch-run's parent, the launcher's daemon of
         this job on this node (Hydra's proxy, prted); a tag in printed text would be shared by
@@ -224,7 +224,7 @@ class Docker(Runtime):
     def outer(self, launch: Launch) -> list[str]:
         if not launch.image:
             return ["docker", "exec", launch.container_prefix + launch.hosts[0]]
-        # /dev/shm for the node's ranks (launcher.shm; Docker's 64 MiB crashes or hangs
+        # /dev/shm for the node's ranks (launcher.placement.shm; Docker's 64 MiB crashes or hangs
         # MPI_Init) and unlimited locked memory for RDMA registration
         size = shm.docker_size(shm.recommended_shm(launch.procs_per_node))
         return ["docker", "run", "--rm", f"--shm-size={size}", "--ulimit", "memlock=-1",

@@ -22,7 +22,7 @@ from ddp_tasks.engine import docker_client
 from ddp_tasks.image_params import IMAGE, ImageParams
 from ddp_tasks.task_errors import shown_only, user_errors
 from ddp_tasks.task_params import documented
-from launcher.errors import LaunchError
+from launcher.core.errors import LaunchError
 
 BUILDERS = ("auto", "native", "apptainer")
 NATIVE_TOOLS = {"mksquashfs": "squashfs-tools", "siftool": "siftool"}

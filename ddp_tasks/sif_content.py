@@ -254,7 +254,7 @@ def siftool_commands(sif: str, definition: str, jsons: dict[str, str], partition
     """``siftool new`` and one ``add`` per data object: the definition, the JSON objects
     (``jsons``: name: file), the primary system partition."""
     if architecture not in ARCH_CODES:
-        from launcher.errors import LaunchError
+        from launcher.core.errors import LaunchError
 
         raise LaunchError(f"the image's architecture {architecture!r} has no SIF code",
                           hint=f"build the image for one of: {', '.join(ARCH_CODES)}")

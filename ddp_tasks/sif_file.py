@@ -36,7 +36,7 @@ def descriptors(head: bytes) -> list[Descriptor]:
     table: ``header_size(...)`` bytes)."""
     fields = _HEADER.unpack_from(head)
     if fields[1] != SIF_MAGIC:
-        from launcher.errors import LaunchError
+        from launcher.core.errors import LaunchError
 
         raise LaunchError("not a SIF file (no SIF_MAGIC in its header)",
                           hint="build one with `invoke sif`")
@@ -66,7 +66,7 @@ def primary_partition(found: list[Descriptor]) -> Descriptor:
     for descriptor in found:
         if descriptor.datatype == PARTITION and descriptor.parttype == PART_PRIMSYS:
             return descriptor
-    from launcher.errors import LaunchError
+    from launcher.core.errors import LaunchError
 
     raise LaunchError("the SIF has no primary system partition",
                       hint="build it with `invoke sif`; `siftool list FILE` shows its objects")

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ddp_tasks import sif_file
-from launcher.errors import LaunchError
+from launcher.core.errors import LaunchError
 
 MOUNT_TOOLS = {"squashfuse": "squashfuse", "fusermount": "fuse"}
 

@@ -1,5 +1,5 @@
 """How every task shows a user's mistake: the ``error:`` and ``HINT:`` lines, exit status 2,
-no traceback (the tasks' side of ``launcher.errors``); and how a task with ``--dry-run`` shows
+no traceback (the tasks' side of ``launcher.core.errors``); and how a task with ``--dry-run`` shows
 the command it would run."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from contextlib import contextmanager
 
 from invoke.exceptions import Exit
 
-from launcher.errors import EXIT_USER_ERROR, LaunchError
+from launcher.core.errors import EXIT_USER_ERROR, LaunchError
 
 
 @contextmanager

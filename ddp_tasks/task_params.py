@@ -1,9 +1,9 @@
 """Task parameters from dataclass fields: each default and each help text written once.
 
-``launcher/config.py`` builds the training CLI from ``TrainConfig`` and its field docstrings; the
-invoke tasks do the same here. invoke needs a real function signature, so a task names each
-default as the dataclass's (``nodes=LAUNCH.nodes`` with ``LAUNCH = Launch()``) and gets its help
-from the fields through ``documented``::
+``launcher/training/config.py`` builds the training CLI from ``TrainConfig`` and its field
+docstrings; the invoke tasks do the same here. invoke needs a real function signature, so a task
+names each default as the dataclass's (``nodes=LAUNCH.nodes`` with ``LAUNCH = Launch()``) and gets
+its help from the fields through ``documented``::
 
     @documented(Launch, Batch, notes={"dry_run": "print the command and exit"},
                 renamed={"bind": "binds"}, iterable=["bind"])
@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable
 
 from invoke import task
 
-from launcher.field_docs import field_docs
+from launcher.core.field_docs import field_docs
 
 
 def field_help(classes: Iterable[type], names: Iterable[str],

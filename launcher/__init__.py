@@ -1,8 +1,10 @@
 """ddp launcher: run the same PyTorch DDP entry point under mpirun, srun, torchrun or python.
 
-Data flows one way: environment (``launcher.env``) -> process group
-(``launcher.process_group``) -> training loop (``launcher.train``) -> checkpoints
-(``launcher.checkpoint``).
+Data flows one way: environment (``launcher.placement``) -> process group (``launcher.group``)
+-> training loop (``launcher.training``) -> checkpoints (``launcher.api.checkpoint``). The
+subpackages are layered: each imports only from the layers listed before it in ``LAYERS``
+(tests/test_imports.py holds them to it; docs/contributing.md shows them). The modules at
+this level are the entry points ``python -m launcher.train|check|env``.
 
 The public API for a training script of your own (docs/api.md)::
 
@@ -11,17 +13,22 @@ The public API for a training script of your own (docs/api.md)::
     with launcher.distributed() as job:
         ...
 
-``distributed``, ``Job`` and ``exit_statuses`` come from ``launcher.job``, ``LaunchError``
-from ``launcher.errors``, ``GlobalBatchSampler`` from ``launcher.batches``. They are loaded on
-first use: importing a submodule (as the image's interpreter does at start-up to choose the
-MPI) does not import torch.
+``distributed``, ``Job`` and ``exit_statuses`` come from ``launcher.api.job``,
+``LaunchError`` from ``launcher.core.errors``, ``GlobalBatchSampler`` from
+``launcher.training.batches``. They are loaded on first use: importing a submodule (as the image's
+interpreter does at start-up to choose the MPI) does not import torch.
 """
 
 __version__ = "0.1.0"
 
-_PUBLIC = {"distributed": "launcher.job", "Job": "launcher.job",
-           "exit_statuses": "launcher.job", "LaunchError": "launcher.errors",
-           "GlobalBatchSampler": "launcher.batches"}
+#: the subpackages from the bottom up; a layer imports from the layers before it, never after
+#: it, and the layers of one tuple not from each other
+LAYERS = (("core",), ("placement",), ("faults",), ("mpi",), ("group",), ("api",),
+          ("training", "diagnostics"))
+
+_PUBLIC = {"distributed": "launcher.api.job", "Job": "launcher.api.job",
+           "exit_statuses": "launcher.api.job", "LaunchError": "launcher.core.errors",
+           "GlobalBatchSampler": "launcher.training.batches"}
 __all__ = sorted(_PUBLIC)
 
 

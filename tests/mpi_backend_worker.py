@@ -20,8 +20,9 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from mpi4py import MPI
 
-from launcher import mpi_backend, mpi_buffers
-from launcher.errors import LaunchError, report_and_exit
+from launcher.core.errors import LaunchError, report_and_exit
+from launcher.mpi import backend as mpi_backend
+from launcher.mpi import buffers as mpi_buffers
 
 WORLD = MPI.COMM_WORLD
 RANK, SIZE = WORLD.rank, WORLD.size

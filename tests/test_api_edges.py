@@ -14,11 +14,11 @@ import pytest
 import torch
 
 import launcher
-from launcher import checkpoint
-from launcher.backends import select_backend
-from launcher.env import detect_environment
-from launcher.errors import EXIT_USER_ERROR
-from launcher.peer_lost import diagnose
+from launcher.api import checkpoint
+from launcher.core.errors import EXIT_USER_ERROR
+from launcher.faults.peer_lost import diagnose
+from launcher.group.backends import select_backend
+from launcher.placement.env import detect_environment
 from tests.fixtures.mpi import REPO_ROOT, clean_environ, run_mpi
 
 SAVE = """\

@@ -15,7 +15,7 @@ from spython.main.parse.parsers import SingularityParser
 from ddp_tasks import apptainer_def, flavors, sif_build
 from ddp_tasks import image_commands as ic
 from launcher import __version__
-from launcher.errors import LaunchError
+from launcher.core.errors import LaunchError
 
 INVOKE = [sys.executable, "-m", "invoke"]
 APPTAINER_SIF = [*INVOKE, "sif", "--builder", "apptainer"]
@@ -64,7 +64,7 @@ def test_def_environment_matches_the_image(flavor):
     identity = ic.image_identity(ic.DEFAULT_NAME, __version__, flavor)
     assert f"DDP_IMAGE=${{DDP_IMAGE:-{identity}}}" in recipe.environ
     assert "PYTHONUNBUFFERED=${PYTHONUNBUFFERED:-1}" in recipe.environ
-    # no fixed CMA setting: the launcher decides it on each node (launcher/cma.py)
+    # no fixed CMA setting: the launcher decides it on each node (launcher/mpi/cma.py)
     assert "MPIR_CVAR_CH4_CMA_ENABLE" not in "\n".join(recipe.environ)
     assert "python -m launcher.check" in "\n".join(recipe.install)  # spython's form of %test
     assert recipe.cmd == 'exec python -m launcher.train "$@"'

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from launcher.backends import BackendFacts, plan, select_backend
-from launcher.env import detect_environment
-from launcher.errors import LaunchError
+from launcher.core.errors import LaunchError
+from launcher.group.backends import BackendFacts, plan, select_backend
+from launcher.placement.env import detect_environment
 
 HYDRA = {"PMI_RANK": "1", "PMI_SIZE": "2", "PMI_FD": "5", "MPI_LOCALRANKID": "1",
          "MPI_LOCALNRANKS": "2"}

@@ -16,7 +16,7 @@ import pytest
 
 from ddp_tasks.batch_script import Batch, batch_script, node_range
 from ddp_tasks.launch_spec import Launch
-from launcher.errors import LaunchError
+from launcher.core.errors import LaunchError
 from tests.fixtures.golden import GOLDEN, golden
 from tests.fixtures.mpi import REPO_ROOT
 from tests.fixtures.requirements import missing
@@ -130,7 +130,7 @@ def test_an_unwritable_log_means_no_requeue(tmp_path):
     assert calls == []
 
 
-#: a crashed rank's record (launcher.rank_record): its node, then faulthandler's traceback
+#: a crashed rank's record (launcher.faults.rank_record): its node, then faulthandler's traceback
 CRASHED = ("{node}\nFatal Python error: Segmentation fault\n\n"
            "Thread 0x7f (most recent call first):\n")
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from torch.utils.data import DistributedSampler
 
-from launcher.batches import GlobalBatchSampler
-from launcher.errors import LaunchError
+from launcher.core.errors import LaunchError
+from launcher.training.batches import GlobalBatchSampler
 
 SIZE, BATCH = 1438, 48  # the digits training split, the global batch
 

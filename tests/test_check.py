@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from launcher.errors import EXIT_USER_ERROR
-from launcher.rank_report import RankReport, find_differences, format_table
+from launcher.core.errors import EXIT_USER_ERROR
+from launcher.diagnostics.rank_report import RankReport, find_differences, format_table
 from tests.fixtures.gpu import nccl_ranks, needs_gpu
 from tests.fixtures.mpi import REPO_ROOT, clean_environ, json_objects, run_mpi
 from tests.fixtures.rank_exits import FAILURE_ENDS_WITHIN_S, RECORD, rank_exits

@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from launcher import atomic, checkpoint
-from launcher.checkpoint import CorruptCheckpoint, UnloadableState
+from launcher.api import checkpoint
+from launcher.api.checkpoint import CorruptCheckpoint, UnloadableState
+from launcher.core import atomic
 
 STATE = {"step": 7, "model": {"w": torch.arange(6.0).view(2, 3)}, "note": "x"}
 
@@ -100,7 +101,7 @@ def test_writer_killed_mid_write_leaves_no_visible_file(tmp_path):
     code = (
         "import os, sys, time\n"
         "from pathlib import Path\n"
-        "from launcher import checkpoint\n"
+        "from launcher.api import checkpoint\n"
         "def stall(fd):\n"
         "    print('written', flush=True)\n"
         "    time.sleep(60)\n"

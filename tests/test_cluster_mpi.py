@@ -13,7 +13,7 @@ import yaml
 
 from benchmarks import cluster_scaling
 from ddp_tasks import compose_spec as cs
-from launcher.errors import LaunchError
+from launcher.core.errors import LaunchError
 from tests.fixtures.cluster import invoke_run, param_hashes, two_network_cluster_running
 from tests.fixtures.mpi import json_objects
 
@@ -38,7 +38,7 @@ def test_compose_spec_shape(nodes):
         service = spec["services"][host]
         assert service["hostname"] == host
         assert service["container_name"] == "${DDP_PREFIX:-}" + host
-        # no interface: each rank takes the route to rank 0 (launcher.network)
+        # no interface: each rank takes the route to rank 0 (launcher.placement.network)
         assert not {"GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"} & set(service["environment"])
         assert service["shm_size"] == "1g"
         assert service["ulimits"] == {"memlock": -1}

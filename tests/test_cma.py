@@ -1,4 +1,4 @@
-"""The node's CMA decision (launcher/cma.py): the pure rule with faked evidence, the probe with
+"""The node's CMA decision (launcher/mpi/cma.py): the pure rule with faked evidence, the probe with
 real processes, and the wrong-sum guarantee with ranks in separate user namespaces.
 
 ``unshare -Ur`` puts each rank in a user namespace of its own, as plain ``ch-run`` (without
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from launcher import cma
-from launcher.env import detect_environment
+from launcher.mpi import cma
+from launcher.placement.env import detect_environment
 from tests.fixtures.requirements import missing
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -108,9 +108,9 @@ def test_reading_a_live_process_and_a_wrong_address():
 #: each rank: the backend's group, then all_reduce at 1 MiB and 16 MiB, every element checked
 SUMS = """
 import torch, torch.distributed as dist
-from launcher.env import detect_environment
-from launcher.errors import LaunchError, report_and_exit
-from launcher.process_group import process_group
+from launcher.placement.env import detect_environment
+from launcher.core.errors import LaunchError, report_and_exit
+from launcher.group.process_group import process_group
 env = detect_environment()
 try:
     with process_group(env, "mpi"):
@@ -174,8 +174,9 @@ def test_the_job_key_is_the_launch_daemons_not_a_runtimes_between(tmp_path):
     them (apptainer's starter); another daemon, another key."""
     proxy = tmp_path / "hydra_pmi_proxy"  # the name is what counts: a copy of sh
     shutil.copy("/bin/sh", proxy)
-    key = (f"{shlex.quote(sys.executable)} -c 'from launcher import cma; from launcher.env "
-           "import detect_environment; print(cma.job_key(detect_environment({})))'")
+    key = (f"{shlex.quote(sys.executable)} -c 'from launcher.mpi import cma; "
+           "from launcher.placement.env import detect_environment; "
+           "print(cma.job_key(detect_environment({})))'")
     # "; true": the shell must stay the parent instead of exec'ing its last command
     script = f"{key}; sh -c \"{key}; true\"; true"
     keys = [subprocess.run([str(proxy), "-c", script], capture_output=True, text=True,

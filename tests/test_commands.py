@@ -26,8 +26,8 @@ import pytest
 from ddp_tasks.batch_script import EXIT_STATUS_FILE, TRAIN_RUN_DIR, Batch, batch_script
 from ddp_tasks.commands import launch_segments, parse_env, program_env, render, with_resume
 from ddp_tasks.launch_spec import Launch
-from launcher import run_files
-from launcher.errors import EXIT_PREEMPTED, EXIT_USER_ERROR, LaunchError
+from launcher.core import run_files
+from launcher.core.errors import EXIT_PREEMPTED, EXIT_USER_ERROR, LaunchError
 from tests.fixtures.golden import GOLDEN, golden
 from tests.fixtures.mpi import mpiexec_path
 from tests.fixtures.requirements import missing
@@ -339,7 +339,7 @@ def test_sbatch_script_takes_the_status_the_ranks_wrote(tmp_path, srun_exit, wri
 
 
 def test_status_file_is_where_launcher_train_writes_it():
-    from launcher.config import TrainConfig
+    from launcher.training.config import TrainConfig
 
     assert Path(TRAIN_RUN_DIR) == TrainConfig().run_dir
     assert EXIT_STATUS_FILE == run_files.EXIT_STATUS_FILE

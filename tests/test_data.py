@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from launcher import data
-from launcher.data import user_dataset
-from launcher.errors import LaunchError
+from launcher.core.errors import LaunchError
+from launcher.training import data
+from launcher.training.data import user_dataset
 
 
 def idx_bytes(array: np.ndarray) -> bytes:

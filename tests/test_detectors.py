@@ -10,9 +10,14 @@ from __future__ import annotations
 
 import pytest
 
-from launcher.env import JobEnv, detect_environment, local_device_index, visible_device_count
-from launcher.errors import LaunchError
-from launcher.ports import slurm_port
+from launcher.core.errors import LaunchError
+from launcher.placement.env import (
+    JobEnv,
+    detect_environment,
+    local_device_index,
+    visible_device_count,
+)
+from launcher.placement.ports import slurm_port
 
 # recorded: `srun -n 2 --mpi=pmi2`, task 1 (job 1, step 0)
 SRUN_PMI2 = {

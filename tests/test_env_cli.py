@@ -48,7 +48,8 @@ def test_plain_python_table():
 
 def test_detection_starts_nothing_heavy():
     """No torch, no MPI: the CLI must be instant and must not start communication."""
-    code = ("import sys; from launcher.env import detect_environment; detect_environment(); "
+    code = ("import sys; from launcher.placement.env import detect_environment; "
+            "detect_environment(); "
             "heavy = [m for m in ('torch', 'mpi4py', 'numpy') if m in sys.modules]; "
             "assert not heavy, heavy")
     result = run_python(["-c", code], env={"PMI_RANK": "0", "PMI_SIZE": "1",

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher.errors import EXIT_RANK_FAILED
+from launcher.core.errors import EXIT_RANK_FAILED
 from tests.fixtures.mpi import REPO_ROOT, clean_environ, mpiexec_path
 from tests.fixtures.rank_exits import FAILURE_ENDS_WITHIN_S
 

@@ -15,8 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from launcher import checkpoint, exit_status, run_files
-from launcher.errors import EXIT_PEER_LOST, EXIT_PREEMPTED, PeerLost
+from launcher.api import checkpoint
+from launcher.core import run_files
+from launcher.core.errors import EXIT_PEER_LOST, EXIT_PREEMPTED, PeerLost
+from launcher.faults import exit_status
 from tests.fixtures.mpi import REPO_ROOT, clean_environ
 from tests.test_train import RESUME_FLAGS, _wait_for_step
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher.errors import EXIT_RANK_FAILED, EXIT_USER_ERROR
+from launcher.core.errors import EXIT_RANK_FAILED, EXIT_USER_ERROR
 from tests.fixtures.gpu import nccl_ranks, needs_gpu
 from tests.fixtures.host_mpi import OPENMPI_ROOT_ENV
 from tests.fixtures.mpi import REPO_ROOT, clean_environ, mpiexec_path
@@ -117,7 +117,7 @@ def _check(result: subprocess.CompletedProcess, launcher_ended: float, fault: Fa
     if mpich_runs:
         assert any("/mpich_shm_" in path for path in mapped), output
     assert not [path for path in mapped if os.path.exists(path)], output
-    # what the batch script reads (launcher.exit_status)
+    # what the batch script reads (launcher.faults.exit_status)
     written = (run_dir / "exit-status").read_text()
     assert written == f"{EXIT_RANK_FAILED} a rank failed: the job's log names it\n", output
     # no half-written checkpoint, not even a temporary file

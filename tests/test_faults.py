@@ -156,7 +156,7 @@ done
 
 NEWEST_VALID = f"""python - <<'EOF'
 from pathlib import Path
-from launcher import checkpoint
+from launcher.api import checkpoint
 newest = checkpoint.newest_valid(Path("{RUN_DIR}/checkpoints"), print)
 print("newest", newest.name if newest else None)
 EOF"""

@@ -3,7 +3,7 @@ site's MpiDefault), MPICH's Hydra ``mpiexec`` or Open MPI's ``mpirun`` on the ho
 running in the cpu image through Charliecloud's ``ch-run`` (the runtime of Apptainer's kind that
 installs here).
 
-Hybrid model: the image's own MPI joins the host launcher; ``launcher.mpi_library`` picks
+Hybrid model: the image's own MPI joins the host launcher; ``launcher.mpi.library`` picks
 MPICH for PMI-1/PMI-2 and Open MPI for PMIx. Bind model: the host's MPI library is bound into
 the image's empty /opt/host-mpi/lib and named on LD_LIBRARY_PATH; nothing else is set.
 
@@ -62,7 +62,7 @@ def ch_run(image: Path, scratch: Path, binds: tuple[str, ...] = (),
 
 
 def cma_line(result) -> str:
-    """The node's one line on MPI's single-copy transfers (launcher/cma.py), from local rank 0
+    """The node's one line on MPI's single-copy transfers (launcher/mpi/cma.py), from local rank 0
     of a launch on one node."""
     lines = [line for line in result.stderr.splitlines() if "(CMA) on " in line]
     assert len(lines) == 1, result.stderr

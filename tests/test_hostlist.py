@@ -8,8 +8,8 @@ import subprocess
 
 import pytest
 
-from launcher.errors import LaunchError
-from launcher.hostlist import expand_hostlist, expand_tasks_per_node
+from launcher.core.errors import LaunchError
+from launcher.placement.hostlist import expand_hostlist, expand_tasks_per_node
 
 # (host list, expansion): the expansions are what Slurm 22.05's scontrol printed
 HOSTLISTS = [

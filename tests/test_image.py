@@ -19,7 +19,7 @@ from ddp_tasks import engine, flavors
 from ddp_tasks import image as image_tasks
 from ddp_tasks import image_commands as ic
 from launcher import __version__
-from launcher.errors import LaunchError
+from launcher.core.errors import LaunchError
 from tests.fixtures.docker import COLD_BUILD_TIMEOUT, assert_holds_its_lock, host_ca_bundle
 
 # ------------------------------------------------------------------------------ pure builders
@@ -243,7 +243,7 @@ _LIBRARY = ("import mpi4py; mpi4py.rc.initialize = False; from mpi4py import MPI
 ])
 def test_every_python_in_the_image_picks_the_mpi_of_its_pmi(cpu_image, run_in_image,
                                                             pmi_variables, expected):
-    """The venv makes the launcher's choice at start-up (launcher/mpi_library.py), so a
+    """The venv makes the launcher's choice at start-up (launcher/mpi/library.py), so a
     user's own mpi4py script loads MPICH under PMI-1/2 and Open MPI under PMIx."""
     status, output = run_in_image(cpu_image, ["python", "-c", _LIBRARY],
                                   environment=pmi_variables)

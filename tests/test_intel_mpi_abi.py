@@ -2,7 +2,7 @@
 ``from mpi4py import MPI`` (a user's own script, no launcher code) runs 2 ranks on the Intel
 MPI runtime when Intel's libmpi.so.12 comes first on LD_LIBRARY_PATH and Intel's mpiexec starts
 the ranks (as a site's Intel MPI bound in by Apptainer would): the image's venv chooses the
-library as launcher.mpi_library does. Intel MPI comes from PyPI (`impi-rt`), installed on the
+library as launcher.mpi.library does. Intel MPI comes from PyPI (`impi-rt`), installed on the
 host in a prefix of its own and bind-mounted, like a host MPI. The same through ch-run, with
 the launcher: tests/test_host_launchers.py.
 """

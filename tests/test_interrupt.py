@@ -13,9 +13,9 @@ import time
 
 import pytest
 
-from launcher import checkpoint
-from launcher.errors import EXIT_INTERRUPTED
-from launcher.preemption import INTERRUPT_GRACE_S
+from launcher.api import checkpoint
+from launcher.core.errors import EXIT_INTERRUPTED
+from launcher.faults.preemption import INTERRUPT_GRACE_S
 from tests.test_train import _rank_pids, _wait_for_step, start_training
 
 pytestmark = pytest.mark.mpi

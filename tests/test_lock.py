@@ -15,7 +15,7 @@ from packaging.requirements import Requirement
 from ddp_tasks import flavors, lock_file
 from ddp_tasks import image_commands as ic
 from ddp_tasks import lock as lock_tasks
-from launcher.errors import LaunchError
+from launcher.core.errors import LaunchError
 from tests.fixtures.docker import ensure_torch_wheel, host_ca_bundle
 from tests.fixtures.golden import golden
 

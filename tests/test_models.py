@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch import nn
 
-from launcher.errors import LaunchError
-from launcher.gradient_sync import reads_buffers_in_training
-from launcher.models import build_model, check_output
+from launcher.core.errors import LaunchError
+from launcher.training.gradient_sync import reads_buffers_in_training
+from launcher.training.models import build_model, check_output
 
 BATCH = torch.rand(3, 1, 28, 28)
 LABELS = torch.tensor([1, 0, 9])

@@ -11,8 +11,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from launcher import mpi_backend, mpi_buffers, mpi_library
-from launcher.errors import LaunchError
+from launcher.core.errors import LaunchError
+from launcher.mpi import backend as mpi_backend
+from launcher.mpi import buffers as mpi_buffers
+from launcher.mpi import library as mpi_library
 from tests.fixtures.docker import COLD_BUILD_TIMEOUT
 from tests.fixtures.gpu import needs_gpu
 from tests.fixtures.mpi import json_objects, run_mpi
@@ -81,7 +83,7 @@ def test_unsupported_reductions_name_the_dtype_and_op(dtype, op):
 @pytest.mark.mpi
 @pytest.mark.parametrize(("ranks", "default", "algorithm"), [
     (2, "gloo-default", "auto"), (3, "mpi4py-default", "auto"),
-    # what the launcher picks for the bundled MPICH across nodes (launcher/mpi_library.py)
+    # what the launcher picks for the bundled MPICH across nodes (launcher/mpi/library.py)
     (3, "mpi4py-default", "tsp_ring")])
 def test_every_op_and_dtype_matches_gloo(ranks, default, algorithm):
     """~2000 cases per rank: 15 dtypes x empty/1/42-element/non-contiguous (+3 MiB float32)
@@ -227,8 +229,9 @@ def test_timeout_inside_ddp_backward_surfaces_from_backward():
 INIT_IN_IMAGE = """
 import torch.distributed as dist
 from mpi4py import MPI
-from launcher import mpi_backend, mpi_library
-from launcher.errors import LaunchError, report_and_exit
+from launcher.mpi import backend as mpi_backend
+from launcher.mpi import library as mpi_library
+from launcher.core.errors import LaunchError, report_and_exit
 try:
     dist.init_process_group(mpi_backend.register(), store=dist.HashStore(),
                             rank=MPI.COMM_WORLD.rank, world_size=MPI.COMM_WORLD.size)

@@ -1,4 +1,4 @@
-"""Which libmpi a rank loads (launcher.mpi_library), with faked launch environments and
+"""Which libmpi a rank loads (launcher.mpi.library), with faked launch environments and
 libraries in temporary directories. The real launches are in tests/test_host_launchers.py."""
 
 from __future__ import annotations
@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from launcher import cma, mpi_library
-from launcher.env import detect_environment, launch_pmi
-from launcher.errors import LaunchError
+from launcher.core.errors import LaunchError
+from launcher.mpi import cma
+from launcher.mpi import library as mpi_library
+from launcher.placement.env import detect_environment, launch_pmi
 
 SLURM_STEP = {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_STEP_ID": "0", "SLURM_JOB_ID": "7",
               "SLURM_LOCALID": "1", "SLURM_STEP_NODELIST": "n1", "SLURM_NODEID": "0",
@@ -36,7 +37,7 @@ def test_the_pmi_is_read_from_the_servers_variables(environ, pmi):
 @pytest.fixture(autouse=True)
 def node_decision(monkeypatch) -> list[str]:
     """No real probe here (its peers are not running): "off", and the hosts asked, recorded.
-    launcher.cma's own tests and tests/test_cma.py run the real one."""
+    launcher.mpi.cma's own tests and tests/test_cma.py run the real one."""
     asked: list[str] = []
 
     def decision(env):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from launcher.mpi_segments import mapped
+from launcher.mpi.segments import mapped
 
 MAPS = """\
 7f00a000-7f00b000 rw-s 00000000 00:1a 41 /dev/shm/mpich_shm_b08c446_0

@@ -1,4 +1,5 @@
-"""The interface choice (launcher.network), on this machine's real interfaces and routes."""
+"""The interface choice (launcher.placement.network), on this machine's real interfaces and
+routes."""
 
 from __future__ import annotations
 
@@ -10,10 +11,10 @@ import sys
 
 import pytest
 
-from launcher import network
-from launcher.env import detect_environment, network_target, planned_network
-from launcher.errors import LaunchError
-from launcher.rendezvous import reachable_address
+from launcher.core.errors import LaunchError
+from launcher.group.rendezvous import reachable_address
+from launcher.placement import network
+from launcher.placement.env import detect_environment, network_target, planned_network
 from tests.fixtures.mpi import REPO_ROOT
 
 

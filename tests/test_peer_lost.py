@@ -17,10 +17,10 @@ import time
 
 import pytest
 
-from launcher import heartbeat
-from launcher.env import detect_environment
-from launcher.errors import EXIT_PEER_LOST, PeerLost
-from launcher.rendezvous import free_port
+from launcher.core.errors import EXIT_PEER_LOST, PeerLost
+from launcher.faults import heartbeat
+from launcher.group.rendezvous import free_port
+from launcher.placement.env import detect_environment
 from tests.fixtures.mpi import REPO_ROOT, clean_environ
 
 WORLD = 3
@@ -161,7 +161,7 @@ def test_survivors_exit_naming_the_lost_rank(tmp_path, victim):
             else:
                 assert f"rank {victim} (" in stderr, stderr
             assert "HINT:" in stderr and "--resume auto" in stderr
-        # for the batch script (launcher.exit_status): one line, written by the survivors
+        # for the batch script (launcher.faults.exit_status): one line, written by the survivors
         written = (tmp_path / "exit-status").read_text()
         assert written.startswith(f"{EXIT_PEER_LOST} ") and written.count("\n") == 1, written
         assert f"rank {victim}" in written, written

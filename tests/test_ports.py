@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from launcher import ports
-from launcher.ports import LINUX_EPHEMERAL_RANGE, SLURM_PORTS, ephemeral_range, slurm_port
+from launcher.placement import ports
+from launcher.placement.ports import LINUX_EPHEMERAL_RANGE, SLURM_PORTS, ephemeral_range, slurm_port
 
 
 @pytest.mark.parametrize("ephemeral", [(32768, 60999), (10000, 20000), (1024, 65000),

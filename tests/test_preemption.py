@@ -9,8 +9,8 @@ import time
 import pytest
 import torch
 
-from launcher.errors import EXIT_INTERRUPTED, LaunchError
-from launcher.preemption import PreemptionWatch
+from launcher.core.errors import EXIT_INTERRUPTED, LaunchError
+from launcher.faults.preemption import PreemptionWatch
 
 CPU = torch.device("cpu")
 

@@ -17,8 +17,8 @@ import time
 
 import pytest
 
-from launcher.preflight import NodeRow, slow_nodes
-from launcher.rendezvous import free_port
+from launcher.diagnostics.preflight import NodeRow, slow_nodes
+from launcher.group.rendezvous import free_port
 from tests.fixtures.mpi import REPO_ROOT, clean_environ
 
 

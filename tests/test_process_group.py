@@ -9,10 +9,10 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from launcher.env import JobEnv
-from launcher.errors import EXIT_USER_ERROR
-from launcher.gpu_sharing import shared_gpu
-from launcher.rendezvous import free_port
+from launcher.core.errors import EXIT_USER_ERROR
+from launcher.group.gpu_sharing import shared_gpu
+from launcher.group.rendezvous import free_port
+from launcher.placement.env import JobEnv
 from tests.fixtures.mpi import run_mpi
 
 
@@ -70,10 +70,10 @@ def test_a_shared_gpu_is_reported_alike_on_every_rank(placements, conflicts):
 DDP_THEN_EXIT = """
 import glob, os, sys, torch
 from torch.nn.parallel import DistributedDataParallel as DDP
-from launcher.agreement import agree
-from launcher.env import detect_environment
-from launcher.errors import LaunchError, report_and_exit
-from launcher.process_group import process_group
+from launcher.faults.agreement import agree
+from launcher.placement.env import detect_environment
+from launcher.core.errors import LaunchError, report_and_exit
+from launcher.group.process_group import process_group
 env = detect_environment()
 def work():
     model = DDP(torch.nn.Linear(10, 10))

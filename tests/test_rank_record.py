@@ -1,4 +1,4 @@
-"""launcher.rank_record: the record a running rank keeps in the run directory, and what it
+"""launcher.faults.rank_record: the record a running rank keeps in the run directory, and what it
 leaves when the rank ends without Python seeing it (killed: its node line; crashed: a
 traceback after it). The batch script's reading of them: tests/test_batch_endings.py; on a
 real Slurm with a survivor that crashes in MPI: tests/test_requeue.py."""
@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from launcher import rank_record
+from launcher.faults import rank_record
 from tests.fixtures.mpi import REPO_ROOT
 
 
@@ -61,7 +61,7 @@ def test_a_faulthandler_the_user_enabled_is_enabled_again(tmp_path):
 
 def _rank_that(ends: str, run_dir) -> subprocess.CompletedProcess:
     """A process that keeps its record and then ``ends`` (Python statements)."""
-    code = ("import pathlib, launcher.rank_record as r\n"
+    code = ("import pathlib, launcher.faults.rank_record as r\n"
             f"with r.kept(pathlib.Path({str(run_dir)!r}), 1, 'n1'):\n    {ends}\n")
     return subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True,
                           text=True, timeout=60)

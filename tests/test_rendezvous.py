@@ -9,10 +9,10 @@ from dataclasses import replace
 
 import pytest
 
-from launcher import rendezvous
-from launcher.env import detect_environment
-from launcher.errors import LaunchError
-from launcher.rendezvous import reachable_address, resolve_rendezvous
+from launcher.core.errors import LaunchError
+from launcher.group import rendezvous
+from launcher.group.rendezvous import reachable_address, resolve_rendezvous
+from launcher.placement.env import detect_environment
 from tests.fixtures.mpi import REPO_ROOT, clean_environ, json_objects, run_mpi
 
 # Every rank resolves, then proves the result works: rank 0 listens on (addr, port) and every
@@ -20,8 +20,8 @@ from tests.fixtures.mpi import REPO_ROOT, clean_environ, json_objects, run_mpi
 SNIPPET = """
 import json, socket
 from mpi4py import MPI
-from launcher.env import detect_environment
-from launcher.rendezvous import resolve_rendezvous
+from launcher.placement.env import detect_environment
+from launcher.group.rendezvous import resolve_rendezvous
 
 env = resolve_rendezvous(detect_environment())
 comm = MPI.COMM_WORLD
@@ -61,8 +61,8 @@ def test_rank0_picks_and_broadcasts(size):
 
 @pytest.mark.mpi
 def test_explicit_master_is_kept_under_mpi():
-    code = ("import json; from launcher.env import detect_environment as d; "
-            "from launcher.rendezvous import resolve_rendezvous as r; "
+    code = ("import json; from launcher.placement.env import detect_environment as d; "
+            "from launcher.group.rendezvous import resolve_rendezvous as r; "
             "e = r(d()); print(json.dumps({'addr': e.master_addr, 'port': e.master_port}))")
     result = run_mpi(2, ["-c", code], timeout=60,
                      env={"MASTER_ADDR": "10.1.2.3", "MASTER_PORT": "29400"})
@@ -99,8 +99,8 @@ def test_no_mpi_and_no_address_is_an_error():
 
 def test_mpi_world_that_disagrees_with_the_launcher():
     """mpi4py on another MPI than the launcher's: every process is a world of one."""
-    code = ("from launcher.env import detect_environment as d; "
-            "from launcher.rendezvous import resolve_rendezvous as r; r(d())")
+    code = ("from launcher.placement.env import detect_environment as d; "
+            "from launcher.group.rendezvous import resolve_rendezvous as r; r(d())")
     environ = clean_environ({"MV2_COMM_WORLD_RANK": "1", "MV2_COMM_WORLD_SIZE": "2",
                              "MV2_COMM_WORLD_LOCAL_RANK": "1", "MV2_COMM_WORLD_LOCAL_SIZE": "2"})
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -41,7 +41,7 @@ JOB_TIMEOUT = 420
 def shm_unchanged():
     """Nothing the test's jobs leave behind in /dev/shm (MPICH's segments of killed ranks).
     A new entry that some live process maps, or that goes within seconds, is another test's
-    running beside this one (launcher.cma's ``ddp-cma-hydra-*`` of an mpiexec job)."""
+    running beside this one (launcher.mpi.cma's ``ddp-cma-hydra-*`` of an mpiexec job)."""
     before = set(os.listdir("/dev/shm"))
     yield
     deadline = time.monotonic() + 15

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher import checkpoint
+from launcher.api import checkpoint
 from tests.fixtures.mpi import REPO_ROOT, MpiResult, clean_environ, run_mpi
 from tests.test_train import hashes, metrics, preempt_rank_1, start_training
 

@@ -9,8 +9,8 @@ import sys
 import pytest
 
 from ddp_tasks import cluster as cl
-from launcher import shm
-from launcher.shm import MIB, NodeMemory
+from launcher.placement import shm
+from launcher.placement.shm import MIB, NodeMemory
 from tests.fixtures.mpi import REPO_ROOT, json_objects
 
 

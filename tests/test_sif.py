@@ -21,7 +21,7 @@ import pytest
 
 from ddp_tasks import image_commands as ic
 from ddp_tasks import sif_content, sif_file, sif_mount
-from launcher.errors import LaunchError
+from launcher.core.errors import LaunchError
 from tests.fixtures.docker import COLD_BUILD_TIMEOUT
 from tests.fixtures.golden import golden
 from tests.fixtures.mpi import mpiexec_path

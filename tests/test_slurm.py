@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from launcher.ports import slurm_port
+from launcher.placement.ports import slurm_port
 from tests.fixtures.mpi import REPO_ROOT, json_objects
 
 pytestmark = pytest.mark.slurm

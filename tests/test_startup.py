@@ -1,5 +1,5 @@
 """Start-up under real launchers: a rank that cannot start MPI ends every rank within the
-bound (launcher.startup_guard), the venv under PMIx gives one clear error, gloo never loads
+bound (launcher.group.startup_guard), the venv under PMIx gives one clear error, gloo never loads
 MPI; after each, no process of the job, no new MPICH segment in /dev/shm."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher.startup_guard import GRACE_S
+from launcher.group.startup_guard import GRACE_S
 from tests.fixtures.host_mpi import OPENMPI_ROOT_ENV
 from tests.fixtures.left_behind import LeftBehind
 from tests.fixtures.mpi import REPO_ROOT, clean_environ, json_objects, mpiexec_path, run_mpi
@@ -161,7 +161,7 @@ def test_gloo_under_mpiexec_starts_mpi_for_the_rendezvous_only():
 
 RANK = """
 import re, sys
-from launcher.startup_guard import guarded
+from launcher.group.startup_guard import guarded
 with guarded("rank 3 on test", float(sys.argv[1])) as guard:
     guard.stage("starting MPI")
     if sys.argv[2] == "hang":  # holds the GIL throughout, as MPI_Init_thread does

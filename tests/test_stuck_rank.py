@@ -2,8 +2,8 @@
 
 For real: 3 ranks of ``launcher.train`` under mpiexec (the mpi backend, and gloo), one stopped
 mid-training. A stopped process raises nothing and answers nothing, so only the heartbeats'
-silence (``launcher.heartbeat``) can name it. Plain processes with torchrun's variables for gloo
-as well, 3 of them: there each survivor's own exit status can be read (Hydra ends the others
+silence (``launcher.faults.heartbeat``) can name it. Plain processes with torchrun's variables for
+gloo as well, 3 of them: there each survivor's own exit status can be read (Hydra ends the others
 once one rank exits).
 """
 
@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from launcher.errors import EXIT_PEER_LOST
-from launcher.rendezvous import free_port
+from launcher.core.errors import EXIT_PEER_LOST
+from launcher.group.rendezvous import free_port
 from tests.fixtures.mpi import REPO_ROOT, clean_environ, mpiexec_path
 
 WORLD = 3
@@ -71,7 +71,7 @@ def _shm() -> set[str]:
 def _orphans(names: set[str]) -> set[str]:
     """Those of ``names`` nobody uses any more: other tests on this machine may be running MPI
     now, so an entry counts as left behind only once no live process maps it (MPICH's segments)
-    and its launcher daemon is gone (``ddp-cma-<launcher>-<pid>-<start>``, launcher.cma)."""
+    and its launcher daemon is gone (``ddp-cma-<launcher>-<pid>-<start>``, launcher.mpi.cma)."""
     mapped = set()
     for maps in Path("/proc").glob("[0-9]*/maps"):
         with contextlib.suppress(OSError):

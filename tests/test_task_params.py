@@ -11,7 +11,7 @@ from ddp_tasks import launch
 from ddp_tasks.batch_script import Batch
 from ddp_tasks.launch_spec import Launch
 from ddp_tasks.task_params import documented, field_help
-from launcher.field_docs import field_docs
+from launcher.core.field_docs import field_docs
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from launcher import checkpoint
-from launcher.errors import EXIT_PREEMPTED, EXIT_USER_ERROR
+from launcher.api import checkpoint
+from launcher.core.errors import EXIT_PREEMPTED, EXIT_USER_ERROR
 from tests.fixtures.gpu import GPUS, nccl_ranks, needs_gpu
 from tests.fixtures.mpi import clean_environ, json_objects, mpiexec_path, run_mpi
 
@@ -396,8 +396,8 @@ def test_every_rank_evaluates_with_rank_0s_batch_norm_statistics(tmp_path, data_
     """On CPU each rank's batch norm updates its own running statistics while training (nothing
     reads them there, so no collective per step); before evaluating every rank takes rank 0's,
     the ones the checkpoint holds. So the 2-rank evaluation is that of the saved model."""
-    from launcher.data import load_dataset
-    from launcher.models import cnn
+    from launcher.training.data import load_dataset
+    from launcher.training.models import cnn
 
     run = train(2, tmp_path, data_dir, "--model", "cnn", "--epochs", "1",
                 "--global-batch-size", "32", "--sync", sync)

@@ -6,9 +6,9 @@ import dataclasses
 
 import pytest
 
-from launcher.config import TrainConfig, build_parser, parse_args
-from launcher.errors import LaunchError
-from launcher.field_docs import field_docs
+from launcher.core.errors import LaunchError
+from launcher.core.field_docs import field_docs
+from launcher.training.config import TrainConfig, build_parser, parse_args
 
 
 def test_every_field_has_a_docstring_and_a_flag():

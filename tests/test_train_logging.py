@@ -7,8 +7,8 @@ import json
 
 import torch
 
-from launcher.logging_utils import RankLog, parameter_sha256
-from launcher.models import mlp
+from launcher.core.logging_utils import RankLog, parameter_sha256
+from launcher.training.models import mlp
 
 
 class Terminal(io.StringIO):

@@ -1,7 +1,7 @@
-"""A timeout shorter than a checkpoint write does not end a healthy job (launcher.heartbeat).
+"""A timeout shorter than a checkpoint write does not end a healthy job (launcher.faults.heartbeat).
 
 For real: 2 ranks train with ``--timeout-s 3`` while rank 0's checkpoint writes take
-``WRITE_S`` (a model factory below slows ``launcher.checkpoint``'s write, as a slow file system
+``WRITE_S`` (a model factory below slows ``launcher.api.checkpoint``'s write, as a slow file system
 would); the other rank waits in the agreement after the write and must go on waiting, since
 rank 0 still beats. Under the mpi backend (mpiexec) and gloo.
 """
@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from launcher import checkpoint
-from launcher.models import mlp
+from launcher.api import checkpoint
+from launcher.training.models import mlp
 
 WRITE_S = 10
 TIMEOUT_S = 3

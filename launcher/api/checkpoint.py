@@ -1,0 +1,224 @@
+"""Checkpoint files: plain ``torch.save`` dicts, self-checking, atomic, the newest valid one found.
+
+A checkpoint (``ckpt-<step:08d>.pt``) is what ``torch.save`` writes: ``torch.load(path,
+weights_only=True)`` reads it anywhere, with no launcher and any number of processes. The
+launcher adds one key, ``"sha256"``: the SHA-256 of the rest of the contents (every tensor's
+dtype, shape and bytes, every other value's type and repr, in order). ``load`` recomputes it, so a
+file that is truncated, or altered in anything it holds, is never loaded; a byte that changes
+nothing loaded (zip padding, say) is harmless.
+
+``encode`` loads what it wrote back, the way ``load`` will, before anything is written: state
+that would fail there (an ``argparse.Namespace``, a numpy array) is refused when saved, naming
+the key, not found after a preemption. Files are written under a temporary name in the same
+directory, fsynced, renamed and the directory fsynced, so a reader sees either no file or the
+whole file. Only rank 0 writes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import pickle
+import random
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from launcher.core.atomic import write_atomic
+from launcher.core.errors import LaunchError
+
+#: the layout of the keys ``launcher.api.job`` and ``launcher.train`` write (docs/training.md)
+FORMAT = 2
+DIGEST_KEY = "sha256"
+_NAME = re.compile(r"^ckpt-(\d{8})\.pt$")
+#: what torch.load raises on bytes that are not (or no longer) a whole torch.save file
+_UNREADABLE = (RuntimeError, OSError, EOFError, ValueError, KeyError, IndexError, TypeError,
+               pickle.UnpicklingError)
+
+
+class CorruptCheckpoint(LaunchError):
+    """A checkpoint file that is truncated, altered or not a checkpoint at all."""
+
+
+class UnloadableState(LaunchError):
+    """State that ``torch.load(weights_only=True)`` would refuse: refused before it is saved."""
+
+
+def checkpoint_name(step: int) -> str:
+    return f"ckpt-{step:08d}.pt"
+
+
+def content_digest(state: dict) -> str:
+    """SHA-256 over everything in ``state`` but its digest (see the module docstring)."""
+    digest = hashlib.sha256()
+    _feed(digest, {k: v for k, v in state.items() if k != DIGEST_KEY})
+    return digest.hexdigest()
+
+
+def _feed(digest, value: object) -> None:
+    if isinstance(value, torch.Tensor):
+        flat = value.detach().cpu().contiguous().reshape(-1)
+        digest.update(f"T{value.dtype}{tuple(value.shape)}".encode())
+        digest.update(flat.view(torch.uint8).numpy().tobytes())
+    elif isinstance(value, dict):
+        digest.update(f"{{{len(value)}".encode())
+        for key, item in value.items():
+            _feed(digest, key)
+            _feed(digest, item)
+    elif isinstance(value, (list, tuple)):
+        # torch.Size comes back as torch.Size, a tuple as a tuple: the kind is part of the digest
+        digest.update(f"{'[' if isinstance(value, list) else '('}{len(value)}".encode())
+        for item in value:
+            _feed(digest, item)
+    else:
+        digest.update(f"{type(value).__name__}:{value!r};".encode())
+
+
+def encode(state: dict) -> bytes:
+    """The file contents for ``state`` (its digest added), checked to load back as resume loads
+    them; an ``UnloadableState`` naming the first value that would not."""
+    buffer = io.BytesIO()
+    torch.save({**state, DIGEST_KEY: content_digest(state)}, buffer)
+    data = buffer.getvalue()
+    try:
+        decode(data, "the state")
+    except CorruptCheckpoint:
+        raise UnloadableState(f"job.save: {_first_unloadable('state', state)} cannot be loaded "
+                              "back with torch.load(weights_only=True), so resume would fail",
+                              hint="save tensors, numbers, strings, lists, tuples and dicts "
+                              "only: vars(args) for an argparse.Namespace, torch.from_numpy(a) "
+                              "or a.tolist() for a numpy array, .item() for a numpy "
+                              "scalar") from None
+    return data
+
+
+def _first_unloadable(where: str, value: object) -> str:
+    """The deepest key path in ``value`` whose own round trip fails, with its type."""
+    children = (value.items() if isinstance(value, dict) else
+                enumerate(value) if isinstance(value, (list, tuple)) else ())
+    for key, item in children:
+        if not _round_trips(item):
+            return _first_unloadable(f"{where}[{key!r}]", item)
+    return f"{where} ({type(value).__module__}.{type(value).__qualname__})"
+
+
+def _round_trips(value: object) -> bool:
+    buffer = io.BytesIO()
+    try:
+        torch.save(value, buffer)
+        torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
+    except (*_UNREADABLE, AttributeError, pickle.PicklingError):
+        return False
+    return True
+
+
+def decode(data: bytes, source: str, map_location: torch.device | str = "cpu") -> dict:
+    """The state in ``data`` after checking that it loads and matches its digest."""
+    hint = f"delete {source}, or resume from an older checkpoint"
+    try:
+        state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except _UNREADABLE as exc:
+        # torch's own text goes on for lines about weights_only; its first sentence says it
+        first = (str(exc).strip() or type(exc).__name__).splitlines()[0].split(". ")[0]
+        raise CorruptCheckpoint(f"{source} is truncated, damaged or not a checkpoint "
+                                f"({len(data)} bytes; torch.load: {first})",
+                                hint=hint) from None
+    if not isinstance(state, dict) or DIGEST_KEY not in state:
+        raise CorruptCheckpoint(f"{source} is not a launcher checkpoint (no {DIGEST_KEY!r} key)",
+                                hint=hint)
+    if content_digest(state) != state[DIGEST_KEY]:
+        raise CorruptCheckpoint(f"{source} fails its SHA-256 check (damaged)", hint=hint)
+    return state if torch.device(map_location).type == "cpu" else _to(state, map_location)
+
+
+def _to(value: object, device: torch.device | str) -> object:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, dict):
+        return type(value)((k, _to(v, device)) for k, v in value.items())
+    if isinstance(value, list):
+        return [_to(v, device) for v in value]
+    return value
+
+
+def save(directory: Path, step: int, state: dict, keep: int) -> Path:
+    """Write ``state`` as the checkpoint of ``step`` and delete all but the newest ``keep``."""
+    path = directory / checkpoint_name(step)
+    write_atomic(path, encode(state))
+    for old in list_checkpoints(directory)[:-keep]:
+        old.unlink(missing_ok=True)
+    return path
+
+
+def load(path: str | Path, map_location: torch.device | str = "cpu") -> dict:
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise LaunchError(f"cannot read checkpoint {path}: {exc.strerror}",
+                          hint="every rank must see the checkpoint (a shared file system); "
+                          "check the path") from None
+    return decode(data, str(path), map_location)
+
+
+def list_checkpoints(directory: Path) -> list[Path]:
+    """Checkpoint files in ``directory``, oldest first (temporary files are never listed)."""
+    if not directory.is_dir():
+        return []
+    found = [p for p in directory.iterdir() if _NAME.match(p.name)]
+    return sorted(found, key=lambda p: int(_NAME.match(p.name).group(1)))
+
+
+def newest_valid(directory: Path, warn: Callable[[str], None]) -> Path | None:
+    """The newest checkpoint that passes its checks; ``warn(text)`` for each one skipped."""
+    for path in reversed(list_checkpoints(directory)):
+        try:
+            load(path)
+        except LaunchError as exc:
+            warn(f"skipping checkpoint {path}: {exc.message}")
+            continue
+        return path
+    return None
+
+
+# --- random number generator states ------------------------------------------------------------
+
+def capture_rng(device: torch.device) -> dict:
+    """This process's RNG states, as tensors and plain values (weights_only-loadable)."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {
+        "torch": torch.get_rng_state(),
+        "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": pos,
+                  "has_gauss": has_gauss, "cached_gaussian": cached},
+        "python": random.getstate(),
+    }
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def restore_rng(state: dict, device: torch.device) -> None:
+    torch.set_rng_state(state["torch"].cpu())
+    numpy_state = state["numpy"]
+    np.random.set_state((numpy_state["kind"], numpy_state["keys"].cpu().numpy().astype(np.uint32),
+                         numpy_state["pos"], numpy_state["has_gauss"],
+                         numpy_state["cached_gaussian"]))
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"].cpu(), device)
+
+
+def reseed_rng(saved: list[dict], rank: int, world_size: int, device: torch.device) -> None:
+    """New RNG streams for ``rank`` of ``world_size`` when the checkpoint's ``saved`` states
+    belong to another world size: seeded from rank 0's saved torch state, the rank and the size,
+    so two resumes on the same number of ranks draw the same numbers."""
+    digest = hashlib.sha256(saved[0]["torch"].cpu().numpy().tobytes())
+    digest.update(f"{rank}/{world_size}".encode())
+    seed = int.from_bytes(digest.digest()[:8], "little") >> 1
+    torch.manual_seed(seed)  # CUDA generators too
+    np.random.seed(seed % 2**32)
+    random.seed(seed)

@@ -1,0 +1,9 @@
+"""Leaves: the user's error, exit statuses, atomic writes, run files, logs.
+
+Leaves every other part builds on: the user-facing error and the exit statuses, atomic file
+writes, field documentation read from source, the run directory's file names, rank-0 logging.
+
+May import: the standard library, torch; nothing else of ``launcher``. The host side
+(``ddp_tasks``) imports from here too, so ``errors``, ``field_docs`` and ``run_files`` stay
+standard library only.
+"""

@@ -1,0 +1,161 @@
+"""Process group set-up and tear-down: the second stage after the environment.
+
+``process_group(env, backend)`` carries out the backend plan (``launcher.group.backends.plan``): it
+starts MPI only where the plan says so, binds this rank's GPU, rendezvouses, each start-up stage
+within ``timeout_s`` plus a grace (``launcher.group.startup_guard``), starts the fail-fast watchdog
+and always ends the group again, also when the body raises. What leaves the body decides how:
+
+- nothing, an error raised on every rank together (``launcher.faults.agreement``), a preemption: the
+  group is torn down in order;
+- a communication failure (a peer died, the network was cut, a collective timed out): it comes
+  out as ``PeerLost`` naming the ranks and nodes whose heartbeats stopped
+  (``launcher.faults.peer_lost``);
+- any other exception, raised on this rank alone: it is reported here and on every other rank
+  (``launcher.faults.failfast``) and comes out as ``RankFailed``: end the process at once with
+  ``launcher.faults.failfast.end_process``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from launcher.core.errors import PeerLost, RankFailed, raised_everywhere
+from launcher.faults import failfast
+from launcher.faults.peer_lost import diagnose, is_communication_failure
+from launcher.group.backends import MPI4PY, BackendFacts, BackendPlan, plan
+from launcher.group.gpu_sharing import nccl_unless_gpus_are_shared
+from launcher.group.rendezvous import rendezvous_error, start_mpi, start_store
+from launcher.group.startup_guard import GRACE_S, guarded
+from launcher.mpi import library as mpi_library
+from launcher.placement.env import JobEnv, local_device_index
+
+
+@dataclasses.dataclass(frozen=True)
+class DistContext:
+    """What the training code receives once the process group is up."""
+
+    env: JobEnv
+    #: the torch backend actually used: "nccl", "gloo", "mpi" (native) or "mpi4py"
+    backend: str
+    #: this rank's device: ``cuda:<local_rank>`` when CUDA is used, else ``cpu``
+    device: torch.device
+
+
+def bind_device(env: JobEnv, cuda_available: bool) -> torch.device:
+    """One GPU per local rank; CPU when there is no GPU."""
+    if not cuda_available:
+        return torch.device("cpu")
+    index = local_device_index(env, torch.cuda.device_count())
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+@contextmanager
+def process_group(
+    env: JobEnv, backend: str = "auto", timeout_s: float = 300.0
+) -> Iterator[DistContext]:
+    """Initialise torch.distributed for ``env``; tear it down on exit whatever happens.
+
+    A communication failure inside the body (a peer died, the network was cut, a collective
+    timed out) comes out as ``PeerLost`` naming the ranks and nodes whose heartbeats stopped.
+    """
+    cuda_available = torch.cuda.is_available()
+    facts = BackendFacts(cuda_available, dist.is_mpi_available(),
+                         mpi_library.chosen(env).bundled_mpich)
+    chosen = plan(backend, env, facts)
+    device = bind_device(env, cuda_available)
+    timeout = timedelta(seconds=timeout_s)
+    env, name, store = _start(env, chosen, device, timeout)
+    watchdog = failfast.start(env, store)
+    healthy = True
+    failure: BaseException | None = None
+    try:
+        yield DistContext(env=env, backend=name, device=device)
+    except BaseException as exc:
+        if raised_everywhere(exc) or not isinstance(exc, Exception):
+            failure = exc
+            raise
+        healthy = False
+        if isinstance(exc, PeerLost):
+            raise
+        if is_communication_failure(exc):
+            if watchdog.notice is not None:  # the failed peer ended: not a lost one
+                raise RankFailed(watchdog.notice.status) from None
+            raise diagnose(env, name, exc) from None
+        raise RankFailed(watchdog.fail(exc)) from None
+    finally:
+        # a lost or failed peer may hold up an orderly tear-down: the caller ends the process
+        # instead (launcher.core.errors.report_and_exit, launcher.faults.failfast.end_process)
+        if healthy:
+            watchdog.close()
+            if dist.is_initialized():
+                _release_users_of_the_group(failure)
+                dist.destroy_process_group()
+
+
+def _start(env: JobEnv, chosen: BackendPlan, device: torch.device,
+           timeout: timedelta) -> tuple[JobEnv, str, dist.Store | None]:
+    """Carry out ``chosen`` up to an initialised group: the rendezvoused ``env``, the backend's
+    name and the store (None for MPI). Each stage is bounded (``launcher.group.startup_guard``)."""
+    name, store = chosen.backend, None
+    who = f"rank {env.rank} on {env.hostname}"
+    with guarded(who, timeout.total_seconds() + GRACE_S, enabled=env.is_distributed) as guard:
+        if chosen.start_mpi:
+            guard.stage("starting MPI")
+            start_mpi(env)
+        if name == MPI4PY:
+            from launcher.mpi import backend as mpi_backend
+
+            mpi_backend.register()
+        guard.stage("the rendezvous")
+        if chosen.store:
+            env, store = start_store(env, name, timeout)
+            if chosen.if_gpu_shared is not None:
+                name = nccl_unless_gpus_are_shared(env, store, device, chosen.if_gpu_shared)
+        _init(env, name, store, timeout)
+    return env, name, store
+
+
+def _release_users_of_the_group(failure: BaseException | None) -> None:
+    """Free what still uses the group (a DDP wrapper) while the group is up.
+
+    A DDP reducer that outlives its gloo group into the interpreter's teardown aborts the
+    process ("terminate called without an active exception", exit by SIGABRT) after a run
+    that succeeded: 13 exits in 60 in a 2-rank test. The body's objects are either garbage
+    by now (reference cycles) or held by the frames of a failure's traceback.
+    """
+    if failure is not None:
+        traceback.clear_frames(failure.__traceback__)  # locals only: the trace still prints
+    gc.collect()
+
+
+def _init(env: JobEnv, name: str, store: dist.Store | None, timeout: timedelta) -> None:
+    # torch.distributed.nn.functional gives ten functions the default argument
+    # group=group.WORLD, which is evaluated when the module is imported: imported while a group
+    # exists (DDP imports it through torch._dynamo on first use), it holds that group in their
+    # defaults for good, out of the garbage collector's sight (torch 2.13). destroy_process_group
+    # then leaves the group and gloo's threads alive into the interpreter's teardown, where
+    # freeing them can abort a run that succeeded ("terminate called without an active
+    # exception"). Imported before any group exists, the defaults are None.
+    import torch.distributed.nn.functional  # noqa: F401
+
+    if name == "mpi":
+        dist.init_process_group("mpi", timeout=timeout)
+        return
+    if store is None:
+        # the mpi4py backend rendezvouses through MPI; the store only satisfies torch's API
+        store = dist.HashStore()
+    try:
+        dist.init_process_group(
+            name, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout
+        )
+    except (RuntimeError, ValueError) as exc:
+        raise rendezvous_error(env, name, exc) from None

@@ -1,0 +1,137 @@
+"""How the mpi4py backend (``launcher.mpi.backend``) waits: every op is started non-blocking
+and polled; past the group's timeout the heartbeats (``launcher.faults.heartbeat``) decide whether a
+peer is lost (``PeerLost``, and ``MPI_Abort`` at exit, since the op cannot be cancelled and
+would hang ``MPI_Finalize``) or alive and busy (the wait goes on). Plus the Work objects ops
+return: a finished one, or a pending point-to-point request.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import time
+from datetime import timedelta
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+from mpi4py import MPI
+from torch._C._distributed_c10d import _create_work_from_future
+
+from launcher.core.errors import PeerLost
+from launcher.faults import heartbeat
+from launcher.mpi import buffers as mb
+
+
+class _Polling(Protocol):
+    """What a pending Work needs of its group (``launcher.mpi.backend.MPIProcessGroup``),
+    named here so that this module does not import the backend it serves."""
+
+    _lock: object
+
+    def _wait(self, request: MPI.Request, op: str, peer: int | None,
+              status: MPI.Status | None = None) -> None: ...
+
+#: polls of a request (about 1 us each from Python) before each further poll gives up the
+#: CPU: MPICH spins for about as long (1000 polls of its own) before it yields
+POLLS_BEFORE_YIELD = 50
+
+
+def wait(request: MPI.Request, lock, status: MPI.Status | None, timeout_s: float, op: str,
+         peer: int | None, size: int, rank: int) -> None:
+    """Poll ``request`` until done; past ``timeout_s`` as ``heartbeat.overdue`` allows.
+    ``op`` and ``peer`` (a root or partner rank) name the op in the error."""
+    with lock:
+        if request.Test(status):
+            return
+    deadline = time.monotonic() + timeout_s
+    polls = 0
+    while True:
+        with lock:
+            if request.Test(status):
+                return
+        polls += 1
+        if polls > POLLS_BEFORE_YIELD:
+            # like MPICH's own wait loop: when ranks outnumber free cores, a peer waiting
+            # for a CPU would otherwise wait out this process's whole time slice
+            os.sched_yield()
+        now = time.monotonic()
+        if now > deadline:
+            what = op if peer is None else f"{op} {peer}"
+            try:
+                heartbeat.overdue(f"{what} on a group of {size} ranks",
+                                  now - deadline + timeout_s, timeout_s, rank)
+            except PeerLost:
+                abort_at_exit()
+                raise
+
+
+def finished(result, opts) -> dist.Work | None:
+    """A completed Work, or none when the caller asked for a synchronous op: torch's Python
+    API then skips ``wait`` (its path for backends that sync inside the call), which saves
+    building a future per op."""
+    if opts is not None and not opts.asyncOp:
+        return None
+    fut = torch.futures.Future()
+    fut.set_result(result)
+    return _create_work_from_future(fut)
+
+
+class RequestWork(dist._Work):
+    """A pending point-to-point request; ``wait`` polls it against the group's timeout."""
+
+    def __init__(self, pg: _Polling, request: MPI.Request, op: str, peer: int | None,
+                 buf: torch.Tensor, tensor: torch.Tensor | None):
+        super().__init__()
+        self._pg, self._request, self._op, self._peer = pg, request, op, peer
+        # buf must outlive the request; tensor (a receive's target) gets buf's data at the end
+        self._buf, self._tensor = buf, tensor
+        self._status = MPI.Status()
+        self._finished = False
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        if not self._finished:
+            self._pg._wait(self._request, self._op, self._peer, self._status)
+            self._finish()
+        return True
+
+    def is_completed(self) -> bool:
+        if not self._finished:
+            with self._pg._lock:
+                done = self._request.Test(self._status)
+            if done:
+                # not wait(): testing the spent request again would blank the status (source)
+                self._finish()
+        return self._finished
+
+    def _finish(self) -> None:
+        if self._tensor is not None:
+            mb.write_back(self._tensor, self._buf)
+        self._finished = True
+
+    def is_success(self) -> bool:
+        return self.is_completed()
+
+    def get_future(self) -> torch.futures.Future:
+        self.wait()
+        fut = torch.futures.Future()
+        fut.set_result([self._tensor if self._tensor is not None else self._buf])
+        return fut
+
+    def _source_rank(self) -> int:
+        self.wait()
+        return self._status.Get_source()
+
+    def source_rank(self) -> int:
+        return self._source_rank()
+
+
+_abort_registered = False
+
+
+def abort_at_exit() -> None:
+    """A timed-out MPI op can't be cancelled and would hang MPI_Finalize: abort instead."""
+    global _abort_registered
+    if not _abort_registered:
+        _abort_registered = True
+        atexit.register(MPI.COMM_WORLD.Abort, 1)

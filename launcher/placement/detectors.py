@@ -1,0 +1,378 @@
+"""Which launcher started this process, and where it put it: one small class per launcher.
+
+``DETECTORS`` is tried in this order; the first whose ``detect(environ)`` is true wins:
+
+1. ``torchrun``  -- TORCHELASTIC_RUN_ID or RANK (torchrun's set, or env:// by hand).
+   First because torchrun is often started by srun or mpirun, one agent per node: the outer
+   launcher's variables then describe the agent, not the worker.
+2. ``openmpi``   -- OMPI_COMM_WORLD_RANK (mpirun from Open MPI).
+3. ``mvapich``   -- MV2_COMM_WORLD_RANK (MVAPICH2; its Hydra also sets PMI_*).
+4. ``pals``      -- PALS_RANKID (Cray PALS ``mpiexec``; Cray PMI sets PMI_* beside it).
+5. ``hydra``     -- PMI_RANK with MPI_LOCALRANKID (MPICH and Intel MPI ``mpiexec``), or PMI_RANK
+   outside a Slurm step. Before Slurm because ``mpiexec`` inside an allocation inherits the batch
+   step's SLURM_PROCID=0, and Hydra's Slurm bootstrap gives each rank the SLURM_* of its proxy
+   step (one task per node): neither is the rank.
+6. ``slurm``     -- a task of a Slurm step: SLURM_PROCID and SLURM_STEP_ID both set. ``srun
+   --mpi=pmi2`` also sets PMI_RANK/PMI_SIZE (no MPI_LOCALRANKID): Slurm wins, it also knows the
+   node list. A batch script or an ``salloc`` shell has SLURM_JOB_ID but no step id (the batch
+   step's is not exported): it is not a task, so it runs as a single process.
+7. ``single``    -- nothing above: one process. PMIX_RANK alone is refused (PMIx exports no
+   world size; the launchers that set it also set one of the sets above).
+
+Every variable is parsed strictly; a bad value raises one ``LaunchError`` naming the variable
+and the launcher. MPI launchers do not export a node index: ``node_rank``/``num_nodes`` are
+derived assuming equally filled nodes, and ``launcher.group.rendezvous`` replaces them with the real
+ones (from the host names of all ranks) at start-up.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+
+from launcher.core.errors import LaunchError
+from launcher.placement.hostlist import expand_hostlist, expand_tasks_per_node
+from launcher.placement.ports import slurm_port
+
+Environ = Mapping[str, str]
+
+_INTEGER = re.compile(r"[+-]?[0-9]+")
+
+#: Slurm step ids at or above this are special steps (batch, extern, interactive), not tasks
+_SLURM_SPECIAL_STEP = 0xFFFFFFF0
+
+# Slurm exports these step ids as numbers or names depending on the version
+_SLURM_SPECIAL_STEP_NAMES = {"batch", "extern", "interactive", "pending"}
+
+
+@dataclass(frozen=True)
+class Placement:
+    """What a detector read: this process's place in the job."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    node_rank: int
+    num_nodes: int
+    master_addr: str | None = None
+    master_port: int | None = None
+    hosts: tuple[str, ...] = ()
+    job_id: str | None = None
+
+
+def read_int(environ: Environ, name: str, launcher: str, minimum: int = 0) -> int:
+    """``environ[name]`` as an integer >= ``minimum``, or a LaunchError naming both."""
+    value = environ[name]
+    # not int(): it also takes "1_000" and other forms no launcher writes
+    number = int(value) if _INTEGER.fullmatch(value.strip()) else None
+    if number is None or number < minimum:
+        kind = "a positive integer" if minimum > 0 else "a non-negative integer"
+        raise LaunchError(
+            f"{name}={value!r} is not {kind} (read as the {launcher} launch environment)",
+            hint=f"{name} is set by the launcher; if you exported it yourself, unset it or fix it",
+        )
+    return number
+
+
+def _require(environ: Environ, name: str, launcher: str, because: str, minimum: int = 0) -> int:
+    """Like ``read_int``, for a variable that must come with ``because``."""
+    if name not in environ:
+        raise LaunchError(
+            f"{because} is set but {name} is not: the {launcher} launch environment is incomplete",
+            hint=f"set {name} too, or unset {because} if you exported it yourself",
+        )
+    return read_int(environ, name, launcher, minimum)
+
+
+def _block_placement(rank: int, size: int, local_rank: int, local_size: int) -> Placement:
+    """Placement for launchers that give no node index: nodes assumed equally filled."""
+    return Placement(
+        rank=rank,
+        world_size=size,
+        local_rank=local_rank,
+        local_world_size=local_size,
+        node_rank=min(rank // local_size, -(-size // local_size) - 1),
+        num_nodes=-(-size // local_size),
+    )
+
+
+class Detector:
+    """One launcher: ``detect`` says whether it started us, ``read`` where it put us."""
+
+    name = ""
+
+    def detect(self, environ: Environ) -> bool:
+        raise NotImplementedError
+
+    def read(self, environ: Environ) -> Placement:
+        raise NotImplementedError
+
+
+class MpiDetector(Detector):
+    """An MPI launcher that exports rank, size, local rank and local size, nothing else."""
+
+    label = ""
+    #: JobEnv field -> the variable it is read from
+    variables: dict[str, str] = {}
+
+    def detect(self, environ: Environ) -> bool:
+        return self.variables["rank"] in environ
+
+    def read(self, environ: Environ) -> Placement:
+        names = self.variables
+        because = names["rank"]
+        rank = read_int(environ, because, self.label)
+        size = _require(environ, names["world_size"], self.label, because, minimum=1)
+        local_rank = _require(environ, names["local_rank"], self.label, because)
+        local_size = _require(environ, names["local_world_size"], self.label, because, minimum=1)
+        return _block_placement(rank, size, local_rank, local_size)
+
+
+class OpenMpi(MpiDetector):
+    name, label = "openmpi", "Open MPI"
+    # OMPI_COMM_WORLD_NODE_RANK is the rank among all jobs' processes on the node, not a node
+    # index, so it is not read.
+    variables = {
+        "rank": "OMPI_COMM_WORLD_RANK",
+        "world_size": "OMPI_COMM_WORLD_SIZE",
+        "local_rank": "OMPI_COMM_WORLD_LOCAL_RANK",
+        "local_world_size": "OMPI_COMM_WORLD_LOCAL_SIZE",
+    }
+
+
+class Mvapich(MpiDetector):
+    name, label = "mvapich", "MVAPICH"
+    variables = {
+        "rank": "MV2_COMM_WORLD_RANK",
+        "world_size": "MV2_COMM_WORLD_SIZE",
+        "local_rank": "MV2_COMM_WORLD_LOCAL_RANK",
+        "local_world_size": "MV2_COMM_WORLD_LOCAL_SIZE",
+    }
+
+
+class Hydra(MpiDetector):
+    name, label = "hydra", "MPICH/Intel MPI (Hydra)"
+    variables = {
+        "rank": "PMI_RANK",
+        "world_size": "PMI_SIZE",
+        "local_rank": "MPI_LOCALRANKID",
+        "local_world_size": "MPI_LOCALNRANKS",
+    }
+
+    def detect(self, environ: Environ) -> bool:
+        return "PMI_RANK" in environ and (
+            "MPI_LOCALRANKID" in environ or not Slurm.is_step(environ)
+        )
+
+
+class Pals(MpiDetector):
+    name, label = "pals", "Cray PALS"
+    variables = {
+        "rank": "PALS_RANKID",
+        "world_size": "PMI_SIZE",
+        "local_rank": "PALS_LOCAL_RANKID",
+        "local_world_size": "PALS_LOCAL_SIZE",
+    }
+
+    def read(self, environ: Environ) -> Placement:
+        placement = super().read(environ)
+        node_rank = placement.node_rank
+        if "PALS_NODEID" in environ:
+            node_rank = read_int(environ, "PALS_NODEID", self.label)
+        return replace(
+            placement,
+            node_rank=node_rank,
+            num_nodes=max(placement.num_nodes, node_rank + 1),
+            job_id=environ.get("PALS_APID"),
+        )
+
+
+class Torchrun(Detector):
+    name = "torchrun"
+
+    def detect(self, environ: Environ) -> bool:
+        return "TORCHELASTIC_RUN_ID" in environ or "RANK" in environ
+
+    def read(self, environ: Environ) -> Placement:
+        label = "torchrun (env://)"
+        because = "TORCHELASTIC_RUN_ID" if "TORCHELASTIC_RUN_ID" in environ else "RANK"
+        rank = _require(environ, "RANK", label, because)
+        size = _require(environ, "WORLD_SIZE", label, because, minimum=1)
+        local_rank = _require(environ, "LOCAL_RANK", label, because)
+        # set by hand for env:// these may be missing: then every rank is taken as one node
+        local_size = size
+        node_rank, num_nodes = 0, 1
+        if "LOCAL_WORLD_SIZE" in environ:
+            local_size = read_int(environ, "LOCAL_WORLD_SIZE", label, minimum=1)
+            num_nodes = -(-size // local_size)
+        if "GROUP_RANK" in environ:
+            node_rank = read_int(environ, "GROUP_RANK", label)
+        if "GROUP_WORLD_SIZE" in environ:
+            num_nodes = read_int(environ, "GROUP_WORLD_SIZE", label, minimum=1)
+        return Placement(
+            rank=rank,
+            world_size=size,
+            local_rank=local_rank,
+            local_world_size=local_size,
+            node_rank=node_rank,
+            num_nodes=num_nodes,
+            job_id=environ.get("TORCHELASTIC_RUN_ID"),
+        )
+
+
+class Slurm(Detector):
+    name = "slurm"
+
+    @staticmethod
+    def step_id(environ: Environ) -> str | None:
+        return environ.get("SLURM_STEP_ID", environ.get("SLURM_STEPID"))
+
+    @staticmethod
+    def is_step(environ: Environ) -> bool:
+        """True for a task of a real step; false for a batch script or an salloc shell."""
+        step = Slurm.step_id(environ)
+        if step is None or "SLURM_PROCID" not in environ:
+            return False
+        step = step.strip()
+        if step in _SLURM_SPECIAL_STEP_NAMES:
+            return False
+        return not (step.isdigit() and int(step) >= _SLURM_SPECIAL_STEP)
+
+    @staticmethod
+    def job_id(environ: Environ) -> str | None:
+        return environ.get("SLURM_JOB_ID", environ.get("SLURM_JOBID"))
+
+    def detect(self, environ: Environ) -> bool:
+        return self.is_step(environ)
+
+    def read(self, environ: Environ) -> Placement:
+        label, because = "Slurm", "SLURM_PROCID"
+        rank = read_int(environ, "SLURM_PROCID", label)
+        size_name = "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in environ else "SLURM_NTASKS"
+        size = _require(environ, size_name, label, because, minimum=1)
+        local_rank = _require(environ, "SLURM_LOCALID", label, because)
+        node_rank = _require(environ, "SLURM_NODEID", label, because)
+        hosts: list[str] = []
+        for name in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST"):
+            if name in environ:
+                hosts = expand_hostlist(environ[name], name)
+                break
+        num_nodes = len(hosts) or node_rank + 1
+        if "SLURM_STEP_NUM_NODES" in environ:
+            num_nodes = read_int(environ, "SLURM_STEP_NUM_NODES", label, minimum=1)
+        local_size = self._local_size(environ, node_rank, size, num_nodes)
+        if hosts and len(hosts) != num_nodes:
+            raise LaunchError(
+                f"the Slurm node list names {len(hosts)} hosts but SLURM_STEP_NUM_NODES="
+                f"{num_nodes}",
+                hint="the SLURM_* variables come from different steps or jobs; launch with srun "
+                "inside one allocation and do not export SLURM_* by hand",
+            )
+        job_id = self.job_id(environ)
+        step = self.step_id(environ)
+        return Placement(
+            rank=rank,
+            world_size=size,
+            local_rank=local_rank,
+            local_world_size=local_size,
+            node_rank=node_rank,
+            num_nodes=num_nodes,
+            master_addr=hosts[0] if hosts else None,
+            master_port=slurm_port(job_id, step) if job_id is not None else None,
+            hosts=tuple(hosts),
+            job_id=job_id,
+        )
+
+    @staticmethod
+    def _local_size(environ: Environ, node_rank: int, size: int, num_nodes: int) -> int:
+        for name in ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"):
+            if name in environ:
+                counts = expand_tasks_per_node(environ[name], name)
+                if node_rank >= len(counts):
+                    raise LaunchError(
+                        f"SLURM_NODEID={node_rank} but {name}={environ[name]!r} lists "
+                        f"{len(counts)} nodes",
+                        hint="the SLURM_* variables come from different steps or jobs; launch "
+                        "with srun and do not export SLURM_* by hand",
+                    )
+                return counts[node_rank]
+        return -(-size // num_nodes)
+
+
+class Single(Detector):
+    name = "single"
+
+    def detect(self, environ: Environ) -> bool:
+        return True
+
+    def read(self, environ: Environ) -> Placement:
+        if "PMIX_RANK" in environ:
+            raise LaunchError(
+                f"PMIX_RANK={environ['PMIX_RANK']!r} is set but no launcher variable gives the "
+                "world size (PMIx exports none)",
+                hint="launch with srun, or an mpirun/mpiexec that sets OMPI_COMM_WORLD_* or "
+                "PMI_*; or unset PMIX_RANK to run one process",
+            )
+        return Placement(0, 1, 0, 1, 0, 1, master_addr="127.0.0.1", job_id=Slurm.job_id(environ))
+
+
+DETECTORS: tuple[Detector, ...] = (
+    Torchrun(), OpenMpi(), Mvapich(), Pals(), Hydra(), Slurm(), Single(),
+)  # fmt: skip
+
+# launchers whose rank/size must agree with the chosen one when both are present; torchrun is
+# left out because an outer launcher legitimately describes its agents, not its workers
+_CROSS_CHECKED: tuple[tuple[str, str, str], ...] = (
+    ("Open MPI", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+    ("MVAPICH", "MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE"),
+    ("PMI (MPICH, Intel MPI, Cray, srun --mpi=pmi2)", "PMI_RANK", "PMI_SIZE"),
+)
+
+
+def _check_conflicts(chosen: Detector, placement: Placement, environ: Environ) -> None:
+    if chosen.name in ("torchrun", "single"):
+        return
+    for label, rank_name, size_name in _CROSS_CHECKED:
+        if rank_name not in environ or size_name not in environ:
+            continue
+        rank = read_int(environ, rank_name, label)
+        size = read_int(environ, size_name, label, minimum=1)
+        if (rank, size) != (placement.rank, placement.world_size):
+            raise LaunchError(
+                f"launchers disagree: {chosen.name} says rank {placement.rank} of "
+                f"{placement.world_size}, but {rank_name}={rank} {size_name}={size} ({label})",
+                hint=f"variables of two launchers are mixed; unset the {label} ones "
+                f"({rank_name}, {size_name}) if they were exported by hand or inherited from "
+                "an outer launcher",
+            )
+
+
+def _check_ranges(name: str, p: Placement) -> None:
+    checks = (
+        ("rank", p.rank, "world size", p.world_size),
+        ("local rank", p.local_rank, "local world size", p.local_world_size),
+        ("node rank", p.node_rank, "number of nodes", p.num_nodes),
+    )
+    for what, value, limit_name, limit in checks:
+        if value >= limit:
+            raise LaunchError(
+                f"{name}: {what} {value} is not below the {limit_name} {limit}",
+                hint="the launch variables are inconsistent; if you exported RANK/WORLD_SIZE "
+                "or similar by hand, unset them and let the launcher set them",
+            )
+    if p.local_world_size > p.world_size:
+        raise LaunchError(
+            f"{name}: local world size {p.local_world_size} exceeds world size {p.world_size}",
+            hint="the launch variables are inconsistent; unset hand-made ones",
+        )
+
+
+def detect_launcher(environ: Environ) -> tuple[Detector, Placement]:
+    """The first detector that claims ``environ``, and the checked placement it read."""
+    chosen = next(d for d in DETECTORS if d.detect(environ))
+    placement = chosen.read(environ)
+    _check_ranges(chosen.name, placement)
+    _check_conflicts(chosen, placement, environ)
+    return chosen, placement

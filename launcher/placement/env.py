@@ -1,0 +1,263 @@
+"""Where this process is in the job: the one place that reads the launch environment.
+
+``detect_environment()`` reads ``os.environ`` (or a given mapping) and never communicates: no MPI
+init, no torch. ``python -m launcher.env [--json]`` prints what it found. Launcher precedence
+and the variables read are in ``launcher.placement.detectors`` and docs/environment.md.
+
+Rendezvous address and port: ``MASTER_ADDR``/``MASTER_PORT`` win when set; torchrun sets them;
+under Slurm the step's first host and a port derived from the job and step ids
+(``launcher.placement.ports.slurm_port``); under mpirun/mpiexec both stay ``None`` and
+``launcher.group.rendezvous`` has rank 0 pick and broadcast them; a single process uses 127.0.0.1
+and a free port picked at start-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import signal
+import socket
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from launcher.core.errors import LaunchError, report_and_exit
+from launcher.placement.detectors import Slurm, detect_launcher, read_int
+from launcher.placement.hostlist import expand_hostlist
+from launcher.placement.network import NetworkChoice, choose, loops_back
+
+#: signals that cannot be caught, so cannot announce a preemption
+_UNCATCHABLE = {"KILL", "STOP"}
+
+
+@dataclass(frozen=True)
+class JobEnv:
+    launcher: str  # "torchrun" | "openmpi" | "mvapich" | "hydra" | "slurm" | "pals" | "single"
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    node_rank: int
+    num_nodes: int
+    master_addr: str | None  # None = decided at start-up: rank 0's address broadcast over MPI
+    master_port: int | None  # None = decided at start-up: a free port picked by rank 0
+    hostname: str
+    hosts: tuple[str, ...] = ()  # node list: Slurm's, else DDP_HOSTS (invoke run --hosts)
+    job_id: str | None = None
+    visible_devices: str | None = None  # CUDA_VISIBLE_DEVICES as given
+    image: str | None = None  # DDP_IMAGE: identity of the project's container image
+    preempt_signal: str = "USR1"  # DDP_PREEMPT_SIGNAL, a name without "SIG"
+    pmi: str = "none"  # what the launcher offers MPI: "pmix" | "pmi" (PMI-1/PMI-2) | "none"
+    library_path: tuple[str, ...] = ()  # LD_LIBRARY_PATH's directories, in order
+    mpi4py_request: str | None = None  # MPI4PY_LIBMPI / MPI4PY_MPIABI as the user set them
+    ifname: str | None = None  # GLOO_SOCKET_IFNAME as the user set it (--ifname)
+    network: NetworkChoice | None = None  # the interface used, chosen at start-up
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def node_name(self) -> str:
+        """This rank's node as the scheduler names it: several slurmd on one host share one
+        hostname, so the node list's entry wins where there is one (what ``--exclude`` takes)."""
+        if 0 <= self.node_rank < len(self.hosts):
+            return self.hosts[self.node_rank]
+        return self.hostname
+
+
+def parse_signal(value: str, variable: str = "DDP_PREEMPT_SIGNAL") -> str:
+    """``USR1``, ``SIGUSR1`` or ``usr1`` -> ``"USR1"``; anything else raises LaunchError."""
+    name = value.strip().upper().removeprefix("SIG")
+    if name in _UNCATCHABLE or not hasattr(signal.Signals, f"SIG{name}"):
+        raise LaunchError(
+            f"{variable}={value!r} is not a signal this process can catch",
+            hint=f"set {variable} to a signal name such as USR1, USR2 or TERM, the one your "
+            "scheduler sends before preemption (sbatch --signal=USR1@120; without 'B:' it "
+            "reaches every rank, not only the batch shell)",
+        )
+    return name
+
+
+def launch_pmi(environ: Mapping[str, str]) -> str:
+    """The process-management interface the launcher serves this rank, from its variables.
+
+    PMIx servers (srun --mpi=pmix, Open MPI's mpirun/prterun) export PMIX_RANK and
+    PMIX_NAMESPACE; PMI-1/PMI-2 servers (Hydra, srun --mpi=pmi2, Cray PMI) export PMI_RANK
+    and a PMI_FD or PMI_PORT to reach them.
+    """
+    if "PMIX_RANK" in environ or "PMIX_NAMESPACE" in environ:
+        return "pmix"
+    if any(name in environ for name in ("PMI_FD", "PMI_PORT", "PMI_RANK")):
+        return "pmi"
+    return "none"
+
+
+def _mpi4py_request(environ: Mapping[str, str]) -> str | None:
+    given = [f"{name}={environ[name]}" for name in ("MPI4PY_LIBMPI", "MPI4PY_MPIABI")
+             if environ.get(name, "").strip()]
+    return " ".join(given) or None
+
+
+def _master_port(environ: Mapping[str, str]) -> int | None:
+    if not environ.get("MASTER_PORT", "").strip():
+        return None
+    port = read_int(environ, "MASTER_PORT", "rendezvous", minimum=1)
+    if port > 65535:
+        raise LaunchError(
+            f"MASTER_PORT={environ['MASTER_PORT']!r} is not a TCP port (1-65535)",
+            hint="unset MASTER_PORT to let the launcher choose one, or pick a free port "
+            "such as 29500",
+        )
+    return port
+
+
+def _given_hosts(environ: Mapping[str, str]) -> tuple[str, ...]:
+    """DDP_HOSTS: the nodes ``invoke run --hosts`` names; MPI launchers export no node list."""
+    if not environ.get("DDP_HOSTS", "").strip():
+        return ()
+    return tuple(expand_hostlist(environ["DDP_HOSTS"], "DDP_HOSTS"))
+
+
+def visible_device_count(visible_devices: str | None) -> int | None:
+    """How many GPUs CUDA_VISIBLE_DEVICES lists; None when it is unset (no restriction)."""
+    if visible_devices is None:
+        return None
+    count = 0
+    for entry in visible_devices.split(","):
+        entry = entry.strip()
+        # CUDA stops at the first invalid entry; Slurm writes NoDevFiles when no GPU was given
+        if not entry or entry.startswith("-") or entry == "NoDevFiles":
+            break
+        count += 1
+    return count
+
+
+def local_device_index(env: JobEnv, device_count: int | None = None) -> int:
+    """The index of this rank's GPU among the ``device_count`` visible ones (one GPU per rank).
+
+    ``device_count`` is what the caller sees (``torch.cuda.device_count()``); by default the
+    entries of CUDA_VISIBLE_DEVICES, and when that is unset too, the local rank is trusted.
+    One visible device serves every local rank: per-task binding (``srun --gpus-per-task=1``)
+    shows each task its own GPU as device 0. A local rank beyond several visible devices has
+    no GPU of its own: LaunchError.
+    """
+    if device_count is None:
+        device_count = visible_device_count(env.visible_devices)
+    if device_count is None or env.local_rank < device_count:
+        return env.local_rank
+    if device_count == 1:
+        return 0
+    raise LaunchError(
+        f"{env.launcher}: local rank {env.local_rank} has no GPU: {device_count} devices visible "
+        f"(CUDA_VISIBLE_DEVICES={env.visible_devices!r}) for {env.local_world_size} ranks on "
+        f"{env.hostname}",
+        hint=f"start at most {device_count} ranks per node (e.g. mpiexec -ppn {device_count}, "
+        f"srun --ntasks-per-node={device_count}, torchrun --nproc-per-node={device_count}), "
+        "or make more GPUs visible",
+    )
+
+
+def detect_environment(
+    environ: Mapping[str, str] | None = None, hostname: str | None = None
+) -> JobEnv:
+    """This process's place in the job, read from ``environ`` (default: ``os.environ``)."""
+    if environ is None:
+        environ = os.environ
+    detector, placement = detect_launcher(environ)
+    master_addr = environ.get("MASTER_ADDR", "").strip() or placement.master_addr
+    master_port = _master_port(environ) or placement.master_port
+    return JobEnv(
+        launcher=detector.name,
+        rank=placement.rank,
+        world_size=placement.world_size,
+        local_rank=placement.local_rank,
+        local_world_size=placement.local_world_size,
+        node_rank=placement.node_rank,
+        num_nodes=placement.num_nodes,
+        master_addr=master_addr,
+        master_port=master_port,
+        hostname=hostname or socket.gethostname(),
+        hosts=placement.hosts or _given_hosts(environ),
+        job_id=placement.job_id,
+        visible_devices=environ.get("CUDA_VISIBLE_DEVICES"),
+        image=environ.get("DDP_IMAGE") or None,
+        preempt_signal=parse_signal(environ.get("DDP_PREEMPT_SIGNAL", "USR1")),
+        pmi=launch_pmi(environ),
+        library_path=tuple(filter(None, environ.get("LD_LIBRARY_PATH", "").split(":"))),
+        mpi4py_request=_mpi4py_request(environ),
+        ifname=environ.get("GLOO_SOCKET_IFNAME", "").strip() or None,
+    )
+
+
+def describe(env: JobEnv, environ: Mapping[str, str]) -> str:
+    """A human table of ``env``, with a note when the allocation is not being used."""
+    rows = dataclasses.asdict(env)
+    rows["hosts"] = ",".join(env.hosts) or "-"
+    rows["library_path"] = ":".join(env.library_path) or "-"
+    rows["network"] = _network_row(env)
+    width = max(len(key) for key in rows)
+    lines = [f"{key:<{width}}  {'-' if value is None else value}" for key, value in rows.items()]
+    if env.launcher == "single" and Slurm.job_id(environ) is not None:
+        lines.append(
+            "note: inside Slurm job "
+            f"{Slurm.job_id(environ)} but not a task of a step (batch script or salloc "
+            "shell): one process. Start tasks with srun."
+        )
+    if env.master_addr is None or env.master_port is None:
+        lines.append("note: missing rendezvous address/port are chosen by rank 0 at start-up")
+    return "\n".join(lines)
+
+
+def network_target(env: JobEnv) -> str | None:
+    """The host whose route names the interface before any rank has spoken: the rendezvous
+    host, unless this node reaches it over loopback (its own name may resolve to 127.0.1.1):
+    then another node of the job, when the node list is known."""
+    others = [host for host in env.hosts if host != env.hostname]
+    if env.master_addr and not (others and loops_back(env.master_addr)):
+        return env.master_addr
+    return others[0] if others else None
+
+
+def planned_network(env: JobEnv) -> NetworkChoice | None:
+    """The interface start-up will choose, when the rendezvous host is known already."""
+    return env.network or choose(env.ifname, network_target(env), env.num_nodes > 1)
+
+
+def _network_row(env: JobEnv) -> str:
+    try:
+        planned = planned_network(env)
+    except LaunchError as error:
+        return f"none: {error.message}"
+    if planned is None:
+        return "chosen at start-up: the route to rank 0's address"
+    return planned.describe()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m launcher.env",
+        description="Print where this process is in the job, without communicating.",
+    )
+    parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    args = parser.parse_args(argv)
+    try:
+        env = detect_environment()
+    except LaunchError as error:
+        report_and_exit(error)
+    if args.json:
+        record = dataclasses.asdict(env)
+        record.update(is_main=env.is_main, is_distributed=env.is_distributed,
+                      network=_network_row(env))
+        print(json.dumps(record, sort_keys=True), flush=True)
+    else:
+        print(describe(env, os.environ), flush=True)
+    sys.exit(0)
+
+

@@ -1,0 +1,60 @@
+"""The rendezvous port of a Slurm step, which every rank derives alone from the job and step ids.
+
+A leaf beside ``launcher.group.rendezvous``: ``launcher.placement.detectors`` reads the ids, this
+module turns them into a port, and the rendezvous binds it.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+#: the ports a derived rendezvous port is drawn from, less the node's ephemeral range
+SLURM_PORTS = (10000, 65535)
+#: where Linux keeps the ephemeral range, and its default where that cannot be read
+EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+LINUX_EPHEMERAL_RANGE = (32768, 60999)
+
+
+def ephemeral_range(path: Path = EPHEMERAL_RANGE_FILE) -> tuple[int, int]:
+    """The ports this node hands to outgoing connections (``net.ipv4.ip_local_port_range``)."""
+    try:
+        low, high = (int(word) for word in path.read_text().split())
+    except (OSError, ValueError):
+        return LINUX_EPHEMERAL_RANGE
+    return low, high
+
+
+def slurm_port(job_id: str, step_id: str | None,
+               ephemeral: tuple[int, int] | None = None) -> int:
+    """A rendezvous port every rank of a step computes alone, distinct per (job, step).
+
+    Drawn from 10000-65535 without the node's ephemeral range (read from /proc unless given),
+    where any outgoing connection on the node may hold a port already. Steps of one job never
+    share a port (the stride between steps is coprime with the number of ports); jobs with the
+    same step id share one only if their ids differ by a multiple of that number (22768 ports
+    with Linux's default range). Non-numeric ids (array tasks such as ``123_4``) use their
+    digits. Every node of a job must have the same ephemeral range (sysctl), as clusters do.
+    """
+    low, high = ephemeral or ephemeral_range()
+    first, last = SLURM_PORTS
+    windows = [(first, min(last, low - 1)), (max(first, high + 1), last)]
+    windows = [(a, b) for a, b in windows if a <= b] or [SLURM_PORTS]
+    span = sum(b - a + 1 for a, b in windows)
+    job = int("".join(c for c in job_id if c.isdigit()) or 0)
+    step = int(step_id) if step_id is not None and step_id.strip().isdigit() else 0
+    index = (job + _step_stride(span) * step) % span
+    for a, b in windows:
+        if index <= b - a:
+            return a + index
+        index -= b - a + 1
+    raise AssertionError("unreachable: index < span")
+
+
+def _step_stride(span: int) -> int:
+    """About span / golden ratio, coprime with span: step k of a job lands far from step 0 of
+    jobs with nearby ids, and no two steps of one job meet."""
+    stride = max(1, round(span / 1.618))
+    while math.gcd(stride, span) != 1:
+        stride -= 1
+    return stride
