@@ -19,6 +19,7 @@ from ddp_tasks.batch_endings import (
 )
 from ddp_tasks.commands import launch_segments, render
 from ddp_tasks.launch_spec import Launch
+from launcher.core.defaults import PREEMPT_SIGNAL
 from launcher.core.errors import LaunchError
 from launcher.core.run_files import EXIT_STATUS_FILE
 from launcher.placement.env import parse_signal
@@ -44,7 +45,7 @@ class Batch:
     #: Slurm account (default: yours)
     account: str = ""
     #: the preemption signal sbatch sends the ranks (a name without "SIG")
-    signal: str = "USR1"
+    signal: str = PREEMPT_SIGNAL
     #: send the preemption signal this many seconds before the limit
     signal_seconds: int = 60
     #: Slurm output file (%x: job name, %j: job id); appended to on requeue

@@ -19,6 +19,7 @@ from ddp_tasks.batch_script import Batch
 from ddp_tasks.launch_spec import Launch
 from ddp_tasks.task_errors import user_errors
 from ddp_tasks.task_params import documented
+from launcher.core.defaults import PREEMPT_SIGNAL
 from launcher.core.errors import LaunchError
 from launcher.placement.hostlist import expand_hostlist
 
@@ -43,7 +44,7 @@ RENAMED = {"prefix": "container_prefix", "bind": "binds", "directive": "directiv
 
 def _signal(flag: str) -> str:
     """The flag, else the caller's DDP_PREEMPT_SIGNAL: a site that set it keeps it by default."""
-    return flag or os.environ.get("DDP_PREEMPT_SIGNAL", "USR1")
+    return flag or os.environ.get("DDP_PREEMPT_SIGNAL", PREEMPT_SIGNAL)
 
 
 def _launch(*, hosts, env, signal, omp_threads, master_addr, master_port, ifname, bind,

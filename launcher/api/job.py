@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from launcher.api import checkpoint
+from launcher.core.defaults import TIMEOUT_S
 from launcher.core.errors import (
     EXIT_INTERRUPTED,
     EXIT_PREEMPTED,
@@ -203,7 +204,7 @@ def _warn(text: str) -> None:
 
 
 @contextmanager
-def distributed(backend: str = "auto", timeout_s: float = 300.0,
+def distributed(backend: str = "auto", timeout_s: float = TIMEOUT_S,
                 status_dir: str | Path | None = None) -> Iterator[Job]:
     """Run the body as one rank of a distributed job (see the module docstring). With
     ``status_dir`` (the run directory), an ending other than success is also written to

@@ -26,6 +26,7 @@ from types import FrameType
 import torch
 import torch.distributed as dist
 
+from launcher.core.defaults import PREEMPT_SIGNAL
 from launcher.core.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, LaunchError
 
 #: how long after Ctrl-C the ranks have to agree at a step boundary before each ends unsaved
@@ -50,7 +51,7 @@ class Preempted(Exception):
 class PreemptionWatch:
     """Catches the preemption signal, SIGTERM and SIGINT while active (a context manager)."""
 
-    def __init__(self, signal_name: str = "USR1", rank: int | None = None):
+    def __init__(self, signal_name: str = PREEMPT_SIGNAL, rank: int | None = None):
         name = signal_name.upper().removeprefix("SIG")
         number = getattr(signal, f"SIG{name}", None)
         if not isinstance(number, signal.Signals):

@@ -27,6 +27,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from launcher.core.defaults import TIMEOUT_S
 from launcher.core.errors import PeerLost, RankFailed, raised_everywhere
 from launcher.faults import failfast
 from launcher.faults.peer_lost import diagnose, is_communication_failure
@@ -60,7 +61,7 @@ def bind_device(env: JobEnv, cuda_available: bool) -> torch.device:
 
 @contextmanager
 def process_group(
-    env: JobEnv, backend: str = "auto", timeout_s: float = 300.0
+    env: JobEnv, backend: str = "auto", timeout_s: float = TIMEOUT_S
 ) -> Iterator[DistContext]:
     """Initialise torch.distributed for ``env``; tear it down on exit whatever happens.
 

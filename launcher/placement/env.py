@@ -23,6 +23,7 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from launcher.core.defaults import PREEMPT_SIGNAL
 from launcher.core.errors import LaunchError, report_and_exit
 from launcher.placement.detectors import Slurm, detect_launcher, read_int
 from launcher.placement.hostlist import expand_hostlist
@@ -188,7 +189,7 @@ def detect_environment(
         job_id=placement.job_id,
         visible_devices=environ.get("CUDA_VISIBLE_DEVICES"),
         image=environ.get("DDP_IMAGE") or None,
-        preempt_signal=parse_signal(environ.get("DDP_PREEMPT_SIGNAL", "USR1")),
+        preempt_signal=parse_signal(environ.get("DDP_PREEMPT_SIGNAL", PREEMPT_SIGNAL)),
         pmi=launch_pmi(environ),
         library_path=tuple(filter(None, environ.get("LD_LIBRARY_PATH", "").split(":"))),
         mpi4py_request=_mpi4py_request(environ),

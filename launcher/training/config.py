@@ -12,6 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
+from launcher.core.defaults import TIMEOUT_S
 from launcher.core.errors import LaunchError
 from launcher.core.field_docs import field_docs
 from launcher.group.backends import BACKEND_CHOICES
@@ -113,7 +114,7 @@ class TrainConfig:
     """torch threads per rank on CPU; 0: the cores this process may use divided by the ranks on
     its node (more threads than free cores make every step far slower on a busy machine)"""
 
-    timeout_s: float = 300.0
+    timeout_s: float = TIMEOUT_S
     """seconds a collective, and each start-up stage (+10 s), may wait on a peer that no
     longer beats before the job ends with exit 3; waits on live peers (a checkpoint write, an
     agreement) may run up to 10 times as long"""
