@@ -132,7 +132,8 @@ def slurm(where: str | None):
     if where != "local":
         yield dict(os.environ)
         return
-    from tests.fixtures.slurm import SlurmCluster, write_slurm_conf
+    from ddp_tasks.local_slurm import SlurmCluster
+    from ddp_tasks.slurm_conf import write_slurm_conf
 
     base = Path(tempfile.mkdtemp(prefix="ddp-slurm-"))
     base.chmod(0o755)

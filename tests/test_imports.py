@@ -1,7 +1,7 @@
 """The import graph read from the source (``ast``, TYPE_CHECKING imports too): no cycle in
 ``ddp_tasks`` or ``launcher``, ``launcher``'s subpackages imported only downwards in the order
 of ``launcher.LAYERS`` (and docs/contributing.md drawing that order as it is), the rank side
-never imports the host side, the host side loads no torch."""
+never imports the host side, the host side loads no torch, benchmarks import no tests."""
 
 from __future__ import annotations
 
@@ -170,6 +170,12 @@ def test_the_rank_side_needs_no_host_side():
     host = {module for module, found in imports("launcher").items()
             if any(name.split(".")[0] == "ddp_tasks" for name in found)}
     assert host == set()
+
+
+def test_benchmarks_import_nothing_from_tests():
+    found = {module for module, names in imports("benchmarks").items()
+             if any(name.split(".")[0] == "tests" for name in names)}
+    assert found == set()
 
 
 def test_the_tasks_do_not_load_torch():
