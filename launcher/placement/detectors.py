@@ -27,75 +27,18 @@ ones (from the host names of all ranks) at start-up.
 
 from __future__ import annotations
 
-import re
-from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from launcher.core.errors import LaunchError
 from launcher.placement.hostlist import expand_hostlist, expand_tasks_per_node
 from launcher.placement.ports import slurm_port
-
-Environ = Mapping[str, str]
-
-_INTEGER = re.compile(r"[+-]?[0-9]+")
+from launcher.placement.variables import Environ, Placement, block_placement, read_int, require
 
 #: Slurm step ids at or above this are special steps (batch, extern, interactive), not tasks
 _SLURM_SPECIAL_STEP = 0xFFFFFFF0
 
 # Slurm exports these step ids as numbers or names depending on the version
 _SLURM_SPECIAL_STEP_NAMES = {"batch", "extern", "interactive", "pending"}
-
-
-@dataclass(frozen=True)
-class Placement:
-    """What a detector read: this process's place in the job."""
-
-    rank: int
-    world_size: int
-    local_rank: int
-    local_world_size: int
-    node_rank: int
-    num_nodes: int
-    master_addr: str | None = None
-    master_port: int | None = None
-    hosts: tuple[str, ...] = ()
-    job_id: str | None = None
-
-
-def read_int(environ: Environ, name: str, launcher: str, minimum: int = 0) -> int:
-    """``environ[name]`` as an integer >= ``minimum``, or a LaunchError naming both."""
-    value = environ[name]
-    # not int(): it also takes "1_000" and other forms no launcher writes
-    number = int(value) if _INTEGER.fullmatch(value.strip()) else None
-    if number is None or number < minimum:
-        kind = "a positive integer" if minimum > 0 else "a non-negative integer"
-        raise LaunchError(
-            f"{name}={value!r} is not {kind} (read as the {launcher} launch environment)",
-            hint=f"{name} is set by the launcher; if you exported it yourself, unset it or fix it",
-        )
-    return number
-
-
-def _require(environ: Environ, name: str, launcher: str, because: str, minimum: int = 0) -> int:
-    """Like ``read_int``, for a variable that must come with ``because``."""
-    if name not in environ:
-        raise LaunchError(
-            f"{because} is set but {name} is not: the {launcher} launch environment is incomplete",
-            hint=f"set {name} too, or unset {because} if you exported it yourself",
-        )
-    return read_int(environ, name, launcher, minimum)
-
-
-def _block_placement(rank: int, size: int, local_rank: int, local_size: int) -> Placement:
-    """Placement for launchers that give no node index: nodes assumed equally filled."""
-    return Placement(
-        rank=rank,
-        world_size=size,
-        local_rank=local_rank,
-        local_world_size=local_size,
-        node_rank=min(rank // local_size, -(-size // local_size) - 1),
-        num_nodes=-(-size // local_size),
-    )
 
 
 class Detector:
@@ -124,10 +67,10 @@ class MpiDetector(Detector):
         names = self.variables
         because = names["rank"]
         rank = read_int(environ, because, self.label)
-        size = _require(environ, names["world_size"], self.label, because, minimum=1)
-        local_rank = _require(environ, names["local_rank"], self.label, because)
-        local_size = _require(environ, names["local_world_size"], self.label, because, minimum=1)
-        return _block_placement(rank, size, local_rank, local_size)
+        size = require(environ, names["world_size"], self.label, because, minimum=1)
+        local_rank = require(environ, names["local_rank"], self.label, because)
+        local_size = require(environ, names["local_world_size"], self.label, because, minimum=1)
+        return block_placement(rank, size, local_rank, local_size)
 
 
 class OpenMpi(MpiDetector):
@@ -198,9 +141,9 @@ class Torchrun(Detector):
     def read(self, environ: Environ) -> Placement:
         label = "torchrun (env://)"
         because = "TORCHELASTIC_RUN_ID" if "TORCHELASTIC_RUN_ID" in environ else "RANK"
-        rank = _require(environ, "RANK", label, because)
-        size = _require(environ, "WORLD_SIZE", label, because, minimum=1)
-        local_rank = _require(environ, "LOCAL_RANK", label, because)
+        rank = require(environ, "RANK", label, because)
+        size = require(environ, "WORLD_SIZE", label, because, minimum=1)
+        local_rank = require(environ, "LOCAL_RANK", label, because)
         # set by hand for env:// these may be missing: then every rank is taken as one node
         local_size = size
         node_rank, num_nodes = 0, 1
@@ -251,9 +194,9 @@ class Slurm(Detector):
         label, because = "Slurm", "SLURM_PROCID"
         rank = read_int(environ, "SLURM_PROCID", label)
         size_name = "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in environ else "SLURM_NTASKS"
-        size = _require(environ, size_name, label, because, minimum=1)
-        local_rank = _require(environ, "SLURM_LOCALID", label, because)
-        node_rank = _require(environ, "SLURM_NODEID", label, because)
+        size = require(environ, size_name, label, because, minimum=1)
+        local_rank = require(environ, "SLURM_LOCALID", label, because)
+        node_rank = require(environ, "SLURM_NODEID", label, because)
         hosts: list[str] = []
         for name in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST"):
             if name in environ:
@@ -321,58 +264,3 @@ class Single(Detector):
 DETECTORS: tuple[Detector, ...] = (
     Torchrun(), OpenMpi(), Mvapich(), Pals(), Hydra(), Slurm(), Single(),
 )  # fmt: skip
-
-# launchers whose rank/size must agree with the chosen one when both are present; torchrun is
-# left out because an outer launcher legitimately describes its agents, not its workers
-_CROSS_CHECKED: tuple[tuple[str, str, str], ...] = (
-    ("Open MPI", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
-    ("MVAPICH", "MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE"),
-    ("PMI (MPICH, Intel MPI, Cray, srun --mpi=pmi2)", "PMI_RANK", "PMI_SIZE"),
-)
-
-
-def _check_conflicts(chosen: Detector, placement: Placement, environ: Environ) -> None:
-    if chosen.name in ("torchrun", "single"):
-        return
-    for label, rank_name, size_name in _CROSS_CHECKED:
-        if rank_name not in environ or size_name not in environ:
-            continue
-        rank = read_int(environ, rank_name, label)
-        size = read_int(environ, size_name, label, minimum=1)
-        if (rank, size) != (placement.rank, placement.world_size):
-            raise LaunchError(
-                f"launchers disagree: {chosen.name} says rank {placement.rank} of "
-                f"{placement.world_size}, but {rank_name}={rank} {size_name}={size} ({label})",
-                hint=f"variables of two launchers are mixed; unset the {label} ones "
-                f"({rank_name}, {size_name}) if they were exported by hand or inherited from "
-                "an outer launcher",
-            )
-
-
-def _check_ranges(name: str, p: Placement) -> None:
-    checks = (
-        ("rank", p.rank, "world size", p.world_size),
-        ("local rank", p.local_rank, "local world size", p.local_world_size),
-        ("node rank", p.node_rank, "number of nodes", p.num_nodes),
-    )
-    for what, value, limit_name, limit in checks:
-        if value >= limit:
-            raise LaunchError(
-                f"{name}: {what} {value} is not below the {limit_name} {limit}",
-                hint="the launch variables are inconsistent; if you exported RANK/WORLD_SIZE "
-                "or similar by hand, unset them and let the launcher set them",
-            )
-    if p.local_world_size > p.world_size:
-        raise LaunchError(
-            f"{name}: local world size {p.local_world_size} exceeds world size {p.world_size}",
-            hint="the launch variables are inconsistent; unset hand-made ones",
-        )
-
-
-def detect_launcher(environ: Environ) -> tuple[Detector, Placement]:
-    """The first detector that claims ``environ``, and the checked placement it read."""
-    chosen = next(d for d in DETECTORS if d.detect(environ))
-    placement = chosen.read(environ)
-    _check_ranges(chosen.name, placement)
-    _check_conflicts(chosen, placement, environ)
-    return chosen, placement

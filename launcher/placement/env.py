@@ -25,9 +25,11 @@ from dataclasses import dataclass
 
 from launcher.core.defaults import PREEMPT_SIGNAL
 from launcher.core.errors import LaunchError, report_and_exit
-from launcher.placement.detectors import Slurm, detect_launcher, read_int
+from launcher.placement.detection import detect_launcher
+from launcher.placement.detectors import Slurm
 from launcher.placement.hostlist import expand_hostlist
 from launcher.placement.network import NetworkChoice, choose, loops_back
+from launcher.placement.variables import read_int
 
 #: signals that cannot be caught, so cannot announce a preemption
 _UNCATCHABLE = {"KILL", "STOP"}

@@ -1,0 +1,66 @@
+"""What a launcher's variables say about this process (``Placement``), read strictly: the
+building blocks of the detectors (``launcher.placement.detectors``)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from launcher.core.errors import LaunchError
+
+Environ = Mapping[str, str]
+
+_INTEGER = re.compile(r"[+-]?[0-9]+")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """What a detector read: this process's place in the job."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    node_rank: int
+    num_nodes: int
+    master_addr: str | None = None
+    master_port: int | None = None
+    hosts: tuple[str, ...] = ()
+    job_id: str | None = None
+
+
+def read_int(environ: Environ, name: str, launcher: str, minimum: int = 0) -> int:
+    """``environ[name]`` as an integer >= ``minimum``, or a LaunchError naming both."""
+    value = environ[name]
+    # not int(): it also takes "1_000" and other forms no launcher writes
+    number = int(value) if _INTEGER.fullmatch(value.strip()) else None
+    if number is None or number < minimum:
+        kind = "a positive integer" if minimum > 0 else "a non-negative integer"
+        raise LaunchError(
+            f"{name}={value!r} is not {kind} (read as the {launcher} launch environment)",
+            hint=f"{name} is set by the launcher; if you exported it yourself, unset it or fix it",
+        )
+    return number
+
+
+def require(environ: Environ, name: str, launcher: str, because: str, minimum: int = 0) -> int:
+    """Like ``read_int``, for a variable that must come with ``because``."""
+    if name not in environ:
+        raise LaunchError(
+            f"{because} is set but {name} is not: the {launcher} launch environment is incomplete",
+            hint=f"set {name} too, or unset {because} if you exported it yourself",
+        )
+    return read_int(environ, name, launcher, minimum)
+
+
+def block_placement(rank: int, size: int, local_rank: int, local_size: int) -> Placement:
+    """Placement for launchers that give no node index: nodes assumed equally filled."""
+    return Placement(
+        rank=rank,
+        world_size=size,
+        local_rank=local_rank,
+        local_world_size=local_size,
+        node_rank=min(rank // local_size, -(-size // local_size) - 1),
+        num_nodes=-(-size // local_size),
+    )
