@@ -20,6 +20,25 @@ from torch.utils.data import Sampler
 from launcher.core.errors import LaunchError
 
 
+def per_rank_batch(global_batch_size: int, world_size: int, micro_batches: int = 1,
+                   resumed: str = "") -> int:
+    """Samples per micro-batch on each rank: the one rule for how a global batch splits. A
+    LaunchError naming the world sizes that fit when it does not split evenly; ``resumed``
+    (the checkpoint the batch comes from) says why the batch cannot change instead."""
+    parts = world_size * micro_batches
+    if global_batch_size % parts == 0:
+        return global_batch_size // parts
+    fits = ", ".join(str(n) for n in range(1, global_batch_size + 1)
+                     if global_batch_size % (n * micro_batches) == 0)
+    split = f"does not divide into {world_size} ranks x {micro_batches} micro-batches"
+    if resumed:
+        raise LaunchError(f"{resumed}, which {split}",
+                          hint=f"resume it on a number of ranks that divides the batch: {fits}")
+    raise LaunchError(f"a global batch of {global_batch_size} samples {split}",
+                      hint=f"run on {fits} ranks, or choose a global batch that is a multiple "
+                      f"of {parts}")
+
+
 class GlobalBatchSampler(Sampler[list[int]]):
     """This rank's share of each global batch, from a global sample position to the end of its
     epoch: ``DataLoader(dataset, batch_sampler=GlobalBatchSampler(...))``. Call
@@ -27,12 +46,7 @@ class GlobalBatchSampler(Sampler[list[int]]):
 
     def __init__(self, size: int, global_batch_size: int, rank: int, world_size: int,
                  seed: int = 0):
-        if global_batch_size % world_size:
-            fits = [n for n in range(1, global_batch_size + 1) if global_batch_size % n == 0]
-            raise LaunchError(f"a global batch of {global_batch_size} samples does not divide "
-                              f"into {world_size} ranks",
-                              hint=f"run on {', '.join(map(str, fits))} ranks, or choose a "
-                              f"global batch that is a multiple of {world_size}")
+        per_rank_batch(global_batch_size, world_size)
         if not 0 < global_batch_size <= size:
             raise LaunchError(f"a global batch of {global_batch_size} samples does not fit "
                               f"the {size} samples of the dataset",

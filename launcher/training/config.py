@@ -16,6 +16,7 @@ from launcher.core.defaults import TIMEOUT_S
 from launcher.core.errors import LaunchError
 from launcher.core.field_docs import field_docs
 from launcher.group.backends import BACKEND_CHOICES
+from launcher.training.batches import per_rank_batch
 from launcher.training.data import DATASETS
 from launcher.training.models import BUILTIN
 
@@ -158,14 +159,7 @@ class TrainConfig:
 
     def per_rank_batch(self, world_size: int) -> int:
         """Samples per micro-batch on each rank; a LaunchError when the split is not even."""
-        parts = world_size * self.grad_accum
-        if self.global_batch_size % parts:
-            raise LaunchError(
-                f"--global-batch-size {self.global_batch_size} does not divide into {world_size} "
-                f"ranks x {self.grad_accum} micro-batches",
-                hint=f"use a multiple of {parts}, e.g. --global-batch-size "
-                f"{max(parts, self.global_batch_size // parts * parts)}")
-        return self.global_batch_size // parts
+        return per_rank_batch(self.global_batch_size, world_size, self.grad_accum)
 
     def to_dict(self) -> dict[str, object]:
         """Plain values only (for the checkpoint, which is loaded with weights_only)."""

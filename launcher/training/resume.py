@@ -20,6 +20,7 @@ from launcher.api.job import Job
 from launcher.core.errors import LaunchError
 from launcher.core.logging_utils import RankLog
 from launcher.faults.agreement import agree
+from launcher.training.batches import per_rank_batch
 from launcher.training.config import TrainConfig
 
 #: settings a resumed run must share with the checkpoint, or it would not continue the same run
@@ -64,15 +65,9 @@ def _check_compatible(state: dict, config: TrainConfig, path, world_size: int) -
     if differ:
         raise LaunchError(f"{path} belongs to a run with other settings: {', '.join(differ)}",
                           hint="resume with the same flags, or start anew with another --run-dir")
-    parts = config.grad_accum * world_size
-    if config.global_batch_size % parts:
-        fits = [n for n in range(1, config.global_batch_size + 1)
-                if config.global_batch_size % (n * config.grad_accum) == 0]
-        raise LaunchError(f"{path} continues a run of global batch {config.global_batch_size} "
-                          f"(written by {state['world_size']} ranks), which does not divide "
-                          f"into {world_size} ranks x {config.grad_accum} micro-batches",
-                          hint="resume it on a number of ranks that divides the batch: "
-                          f"{', '.join(map(str, fits))}")
+    per_rank_batch(config.global_batch_size, world_size, config.grad_accum,
+                   resumed=f"{path} continues a run of global batch {config.global_batch_size} "
+                   f"(written by {state['world_size']} ranks)")
 
 
 def load_weights(module: nn.Module, state: dict) -> None:

@@ -18,13 +18,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DistributedSampler
 
 from launcher.api.job import Job, distributed, exit_statuses
 from launcher.core.errors import EXIT_INTERRUPTED, LaunchError
 from launcher.core.logging_utils import RankLog, parameter_sha256
 from launcher.faults.agreement import agree
 from launcher.placement.env import JobEnv
+from launcher.training.batches import GlobalBatchSampler
 from launcher.training.config import TrainConfig, parse_args
 from launcher.training.data import Dataset, load_dataset
 from launcher.training.evaluation import autocast, evaluate
@@ -87,7 +87,7 @@ class Trainer:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     scaler: torch.amp.GradScaler
-    sampler: DistributedSampler
+    sampler: GlobalBatchSampler
     micro_batch: int
     #: whether buffers follow rank 0 before every forward (gradient_sync.reads_buffers_in_training)
     buffers_every_step: bool = True
@@ -111,7 +111,7 @@ class Trainer:
 
     @property
     def steps_per_epoch(self) -> int:
-        return len(self.sampler) // (self.micro_batch * self.config.grad_accum)
+        return self.sampler.steps_per_epoch
 
     # --- set-up -----------------------------------------------------------------------------
 
@@ -141,12 +141,9 @@ class Trainer:
         if device.type == "cuda" and env.is_distributed:
             spec = ModelSpec(nn.SyncBatchNorm.convert_sync_batchnorm(spec.module), spec.task)
         optimizer = torch.optim.SGD(spec.module.parameters(), lr=config.lr, momentum=0.9)
-        sampler = DistributedSampler(data.train, num_replicas=env.world_size, rank=env.rank,
-                                     shuffle=True, seed=config.seed, drop_last=True)
-        steps = config.epochs * (len(sampler) // (micro_batch * config.grad_accum))
-        if steps == 0:
-            raise LaunchError(f"--global-batch-size {config.global_batch_size} is larger than "
-                              f"the {len(data.train)} training samples", hint="use a smaller one")
+        sampler = GlobalBatchSampler(len(data.train), config.global_batch_size, env.rank,
+                                     env.world_size, seed=config.seed)
+        steps = config.epochs * sampler.steps_per_epoch
         scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=steps)
         scaler = torch.amp.GradScaler(device.type, enabled=config.precision == "fp16")
         trainer = cls(config, job, log, data, spec, spec.module, optimizer, scheduler,
@@ -223,7 +220,6 @@ class Trainer:
             return
         start = time.perf_counter()
         while p.epoch < config.epochs:
-            self.sampler.set_epoch(p.epoch)
             batches = self._epoch_batches()
             while p.batch < len(batches):
                 t0 = time.perf_counter()
@@ -251,9 +247,10 @@ class Trainer:
         self.log.info(f"done: {p.step} steps in {time.perf_counter() - start:.1f} s")
 
     def _epoch_batches(self) -> list[torch.Tensor]:
-        per_step = self.micro_batch * self.config.grad_accum
-        order = torch.tensor(list(self.sampler), dtype=torch.long)
-        return [order[i * per_step:(i + 1) * per_step] for i in range(self.steps_per_epoch)]
+        """This rank's share of each global batch of the current epoch, from its first step."""
+        self.sampler.start_at(self.position.epoch * self.steps_per_epoch
+                              * self.config.global_batch_size)
+        return [torch.tensor(batch, dtype=torch.long) for batch in self.sampler]
 
     def _step(self, indices: torch.Tensor) -> tuple[float, StepTimes, float]:
         """One optimizer step over ``indices`` (this rank's share of the global batch)."""
