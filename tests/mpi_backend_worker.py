@@ -23,6 +23,7 @@ from mpi4py import MPI
 from launcher.core.errors import LaunchError, report_and_exit
 from launcher.mpi import backend as mpi_backend
 from launcher.mpi import buffers as mpi_buffers
+from launcher.mpi import operations as mpi_operations
 
 WORLD = MPI.COMM_WORLD
 RANK, SIZE = WORLD.rank, WORLD.size
@@ -430,13 +431,13 @@ def scenario_sliced() -> None:
             source = source.to(dtype)
             results = []
             for slice_bytes in (1 << 30, 24):
-                mpi_backend.ALLREDUCE_SLICE_BYTES = slice_bytes
+                mpi_operations.ALLREDUCE_SLICE_BYTES = slice_bytes
                 t = source.clone()
                 dist.all_reduce(t, op=op)
                 results.append(t)
             if not torch.equal(*results):
                 mismatches.append(f"{dtype} {op}")
-    mpi_backend.ALLREDUCE_SLICE_BYTES = 4 << 20
+    mpi_operations.ALLREDUCE_SLICE_BYTES = 4 << 20
     big = torch.full(((4 << 20) // 4 + 3,), float(RANK + 1))  # 4 MiB and 3 floats: 2 slices
     dist.all_reduce(big)
     emit(mismatches=mismatches, big_ok=bool(torch.all(big == SIZE * (SIZE + 1) / 2)))

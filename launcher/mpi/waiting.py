@@ -24,7 +24,7 @@ from launcher.mpi import buffers as mb
 
 
 class _Polling(Protocol):
-    """What a pending Work needs of its group (``launcher.mpi.backend.MPIProcessGroup``),
+    """What a pending Work needs of its group (``launcher.mpi.operations.MPIProcessGroup``),
     named here so that this module does not import the backend it serves."""
 
     _lock: object
