@@ -114,7 +114,7 @@ class Job:
 
 def summarize(metrics_lines: list[str], record: dict) -> dict:
     """``record`` with the run's best and median samples/s and smallest step times (seconds),
-    from launcher.training.train's metrics.jsonl, warm-up intervals dropped."""
+    from launcher.train's metrics.jsonl, warm-up intervals dropped."""
     records = [r for r in map(json.loads, metrics_lines)
                if r["event"] == "step"][WARMUP_INTERVALS:]
     return {
