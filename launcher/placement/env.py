@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from launcher.core.defaults import PREEMPT_SIGNAL
 from launcher.core.errors import LaunchError, report_and_exit
+from launcher.placement import settings
 from launcher.placement.detection import detect_launcher
 from launcher.placement.detectors import Slurm
 from launcher.placement.hostlist import expand_hostlist
@@ -257,7 +258,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.json:
         record = dataclasses.asdict(env)
         record.update(is_main=env.is_main, is_distributed=env.is_distributed,
-                      network=_network_row(env))
+                      network=_network_row(env), library_settings=settings.applied())
         print(json.dumps(record, sort_keys=True), flush=True)
     else:
         print(describe(env, os.environ), flush=True)

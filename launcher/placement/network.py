@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import fcntl
 import ipaddress
-import os
 import socket
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 from launcher.core.errors import LaunchError
+from launcher.placement import settings
 
 #: ioctl number of SIOCGIFADDR (linux/sockios.h): an interface's IPv4 address
 _SIOCGIFADDR = 0x8915
@@ -146,7 +146,7 @@ def apply(choice: NetworkChoice, mpi_abi: str) -> dict[str, str]:
     applied = {}
     for name, value in variables(choice, mpi_abi).items():
         # Open MPI refuses a component with both lists; the user's exclusion stands
-        if os.environ.get(name.replace("_include", "_exclude")) and name.endswith("_include"):
+        if name.endswith("_include") and settings.user_value(name.replace("_include", "_exclude")):
             continue
-        applied[name] = os.environ.setdefault(name, value)
+        applied[name] = settings.prefer(name, value, f"the interface {choice.describe()}")
     return applied

@@ -7,6 +7,7 @@ import os
 
 import torch
 
+from launcher.placement import settings
 from launcher.placement.env import JobEnv
 
 
@@ -23,6 +24,7 @@ def use_cores_fairly(threads: int, env: JobEnv, device: torch.device) -> None:
 def use_deterministic_kernels() -> None:
     # cuBLAS reads the variable when it creates its first handle: before the model's first
     # matmul. warn_only: an op with no deterministic kernel warns instead of stopping the run
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    settings.prefer("CUBLAS_WORKSPACE_CONFIG", ":4096:8",
+                    "--deterministic: cuBLAS's deterministic workspace")
     torch.use_deterministic_algorithms(True, warn_only=True)
     torch.backends.cudnn.benchmark = False
