@@ -106,19 +106,19 @@ def _start(env: JobEnv, chosen: BackendPlan, device: torch.device,
            timeout: timedelta) -> tuple[JobEnv, str, dist.Store | None]:
     """Carry out ``chosen`` up to an initialised group: the rendezvoused ``env``, the backend's
     name and the store (None for MPI). Each stage is bounded (``launcher.group.startup_guard``)."""
-    name, store = chosen.backend, None
+    name, store, world = chosen.backend, None, None
     who = f"rank {env.rank} on {env.hostname}"
     with guarded(who, timeout.total_seconds() + GRACE_S, enabled=env.is_distributed) as guard:
         if chosen.start_mpi:
             guard.stage("starting MPI")
-            start_mpi(env)
+            world = start_mpi(env)
         if name == MPI4PY:
             from launcher.mpi import backend as mpi_backend
 
             mpi_backend.register()
         guard.stage("the rendezvous")
         if chosen.store:
-            env, store = start_store(env, name, timeout)
+            env, store = start_store(env, name, timeout, world)
             if chosen.if_gpu_shared is not None:
                 name = nccl_unless_gpus_are_shared(env, store, device, chosen.if_gpu_shared)
         _init(env, name, store, timeout)

@@ -77,8 +77,9 @@ def reachable_address(hostname: str, seen_by_peers: list[str | None] = ()) -> st
     return hostname if ipaddress.ip_address(address).is_loopback else address
 
 
-def resolve_rendezvous(env: JobEnv) -> JobEnv:
-    """``env`` with ``master_addr`` and ``master_port`` filled in (see the module docstring)."""
+def resolve_rendezvous(env: JobEnv, world=None) -> JobEnv:
+    """``env`` with ``master_addr`` and ``master_port`` filled in (see the module docstring);
+    ``world``: ``MPI.COMM_WORLD`` when the caller started MPI already (``start_mpi``)."""
     if not env.is_distributed:
         return replace(
             env,
@@ -86,7 +87,7 @@ def resolve_rendezvous(env: JobEnv) -> JobEnv:
             master_port=env.master_port or free_port(),
         )
     if rendezvous_over_mpi(env):
-        return _over_mpi(env)
+        return _over_mpi(env, world if world is not None else start_mpi(env))
     if env.master_addr is None or env.master_port is None:
         raise LaunchError(
             f"{env.launcher}: no rendezvous address/port and no MPI launcher to agree on one",
@@ -96,19 +97,9 @@ def resolve_rendezvous(env: JobEnv) -> JobEnv:
     return env
 
 
-_world = None
-
-
 def start_mpi(env: JobEnv):
-    """``MPI.COMM_WORLD`` (``mpi_library.start``), after the checks that MPI cannot make;
-    once: a later call (the rendezvous after the backend plan started MPI) returns it."""
-    global _world
-    if _world is None:
-        _world = _start_mpi(env)
-    return _world
-
-
-def _start_mpi(env: JobEnv):
+    """``MPI.COMM_WORLD`` (``mpi_library.start``), after the checks that MPI cannot make. The
+    process group calls it once and hands the world on (``resolve_rendezvous``, ``start_store``)."""
     choice = mpi_library.load(env)
     if choice.bundled_mpich:
         error = shm.too_small_for_mpi(env.local_world_size, shm.read_node_memory())
@@ -127,8 +118,7 @@ def _start_mpi(env: JobEnv):
     return comm
 
 
-def _over_mpi(env: JobEnv) -> JobEnv:
-    comm = start_mpi(env)
+def _over_mpi(env: JobEnv, comm) -> JobEnv:
     if (comm.Get_rank(), comm.Get_size()) != (env.rank, env.world_size):
         raise LaunchError(
             f"the launcher says rank {env.rank} of {env.world_size} ({env.launcher}) but MPI "
@@ -159,10 +149,11 @@ def _over_mpi(env: JobEnv) -> JobEnv:
     )
 
 
-def start_store(env: JobEnv, backend: str, timeout: timedelta) -> tuple[JobEnv, dist.Store]:
+def start_store(env: JobEnv, backend: str, timeout: timedelta,
+                world=None) -> tuple[JobEnv, dist.Store]:
     """The TCP store hosted by rank 0: torch's rendezvous, and after a failure the roll call
     (it outlives a broken group and tells which ranks still answer)."""
-    env = resolve_rendezvous(env)
+    env = resolve_rendezvous(env, world)
     try:
         if env.rank == 0 and not _agent_store_listens(env):
             store = dist.TCPStore(env.master_addr, env.master_port, env.world_size,

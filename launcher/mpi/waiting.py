@@ -126,12 +126,8 @@ class RequestWork(dist._Work):
         return self._source_rank()
 
 
-_abort_registered = False
-
-
 def abort_at_exit() -> None:
     """A timed-out MPI op can't be cancelled and would hang MPI_Finalize: abort instead."""
-    global _abort_registered
-    if not _abort_registered:
-        _abort_registered = True
-        atexit.register(MPI.COMM_WORLD.Abort, 1)
+    abort = MPI.COMM_WORLD.Abort
+    atexit.unregister(abort)  # once, however many ops time out: atexit holds the one record
+    atexit.register(abort, 1)
