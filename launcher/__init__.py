@@ -13,10 +13,10 @@ The public API for a training script of your own (docs/api.md)::
     with launcher.distributed() as job:
         ...
 
-``distributed``, ``Job`` and ``exit_statuses`` come from ``launcher.api.job``,
-``LaunchError`` from ``launcher.core.errors``, ``GlobalBatchSampler`` from
-``launcher.training.batches``. They are loaded on first use: importing a submodule (as the image's
-interpreter does at start-up to choose the MPI) does not import torch.
+``distributed`` and ``Job`` come from ``launcher.api.job``, ``exit_statuses`` from
+``launcher.faults.exits``, ``LaunchError`` from ``launcher.core.errors``, ``GlobalBatchSampler``
+from ``launcher.training.batches``. They are loaded on first use: importing a submodule (as the
+image's interpreter does at start-up to choose the MPI) does not import torch.
 """
 
 __version__ = "0.1.0"
@@ -27,7 +27,7 @@ LAYERS = (("core",), ("placement",), ("faults",), ("mpi",), ("group",), ("api",)
           ("training", "diagnostics"))
 
 _PUBLIC = {"distributed": "launcher.api.job", "Job": "launcher.api.job",
-           "exit_statuses": "launcher.api.job", "LaunchError": "launcher.core.errors",
+           "exit_statuses": "launcher.faults.exits", "LaunchError": "launcher.core.errors",
            "GlobalBatchSampler": "launcher.training.batches"}
 __all__ = sorted(_PUBLIC)
 

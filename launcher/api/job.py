@@ -36,16 +36,13 @@ import torch.distributed as dist
 from launcher.api import checkpoint
 from launcher.core.defaults import TIMEOUT_S
 from launcher.core.errors import (
-    EXIT_INTERRUPTED,
     EXIT_PREEMPTED,
     LaunchError,
-    RankFailed,
-    report_and_exit,
 )
 from launcher.core.logging_utils import print_lines
 from launcher.faults import exit_status, rank_record
 from launcher.faults.agreement import agree
-from launcher.faults.failfast import end_process
+from launcher.faults.exits import exit_statuses
 from launcher.faults.preemption import Preempted, PreemptionWatch
 from launcher.group.process_group import process_group
 from launcher.placement.env import JobEnv, detect_environment
@@ -238,30 +235,3 @@ def _checked_timeout(timeout_s: object) -> float:
                           hint="pass how long a collective may wait, e.g. "
                           "launcher.distributed(timeout_s=300)")
     return float(timeout_s)
-
-
-@contextmanager
-def exit_statuses() -> Iterator[None]:
-    """End the process with the documented exit status when the body raises what this
-    package raises: 2 a user error, 3 a lost peer, 70 a rank that raised, 75 preempted, 130
-    interrupted."""
-    try:
-        yield
-    except LaunchError as error:
-        report_and_exit(error, _rank_if_known())
-    except Preempted as preempted:
-        # every rank says so: under mpiexec/srun only one exit status reaches the job log
-        what = "interrupted" if preempted.status == EXIT_INTERRUPTED else "preempted"
-        saved = f", {preempted.checkpoint} saved" if preempted.checkpoint else ""
-        print(f"[rank {_rank_if_known()}] {what}{saved}: exit {preempted.status}",
-              file=sys.stderr, flush=True)
-        sys.exit(preempted.status)
-    except RankFailed as failed:  # reported here and to every other rank already
-        end_process(failed.status)
-
-
-def _rank_if_known() -> int | None:
-    try:
-        return detect_environment().rank
-    except LaunchError:
-        return None

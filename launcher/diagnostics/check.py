@@ -24,7 +24,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from launcher.api.job import exit_statuses
 from launcher.core.errors import LaunchError
 from launcher.diagnostics import preflight
 from launcher.diagnostics.rank_report import (
@@ -35,6 +34,7 @@ from launcher.diagnostics.rank_report import (
     gather,
     node_warnings,
 )
+from launcher.faults.exits import exit_statuses
 from launcher.group.backends import BACKEND_CHOICES
 from launcher.group.process_group import DistContext, process_group
 from launcher.placement import settings

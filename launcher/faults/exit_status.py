@@ -41,7 +41,7 @@ from launcher.faults.preemption import Preempted
 @contextmanager
 def recorded(run_dir: Path, rank: int) -> Iterator[None]:
     """Write ``run_dir/exit-status`` when the body ends the job with one of this package's
-    statuses (the exception then goes on to ``launcher.api.job.exit_statuses``)."""
+    statuses (the exception then goes on to ``launcher.faults.exits.exit_statuses``)."""
     try:
         yield
     except Preempted as stopped:

@@ -10,8 +10,9 @@ again: ``--resume auto`` continues where it stopped).
 
 from __future__ import annotations
 
-from launcher.api.job import Job, distributed, exit_statuses
+from launcher.api.job import Job, distributed
 from launcher.core.logging_utils import parameter_sha256
+from launcher.faults.exits import exit_statuses
 from launcher.training.config import TrainConfig, parse_args
 from launcher.training.setup import build_trainer
 
