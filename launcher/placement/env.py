@@ -30,29 +30,22 @@ from launcher.placement.detection import detect_launcher
 from launcher.placement.detectors import Slurm
 from launcher.placement.hostlist import expand_hostlist
 from launcher.placement.network import NetworkChoice, choose, loops_back
-from launcher.placement.variables import read_int
+from launcher.placement.variables import Placement, read_int
 
 #: signals that cannot be caught, so cannot announce a preemption
 _UNCATCHABLE = {"KILL", "STOP"}
 
 
-@dataclass(frozen=True)
-class JobEnv:
+@dataclass(frozen=True, kw_only=True)
+class JobEnv(Placement):
+    """The placement a detector read (``Placement``'s fields), completed from the rest of the
+    environment: the one immutable value every later stage is handed."""
+
     launcher: str  # "torchrun" | "openmpi" | "mvapich" | "hydra" | "slurm" | "pals" | "single"
-    rank: int
-    world_size: int
-    local_rank: int
-    local_world_size: int
-    node_rank: int
-    num_nodes: int
-    master_addr: str | None  # None = decided at start-up: rank 0's address broadcast over MPI
-    master_port: int | None  # None = decided at start-up: a free port picked by rank 0
     hostname: str
-    hosts: tuple[str, ...] = ()  # node list: Slurm's, else DDP_HOSTS (invoke run --hosts)
-    job_id: str | None = None
     visible_devices: str | None = None  # CUDA_VISIBLE_DEVICES as given
     image: str | None = None  # DDP_IMAGE: identity of the project's container image
-    preempt_signal: str = "USR1"  # DDP_PREEMPT_SIGNAL, a name without "SIG"
+    preempt_signal: str = PREEMPT_SIGNAL  # DDP_PREEMPT_SIGNAL, a name without "SIG"
     pmi: str = "none"  # what the launcher offers MPI: "pmix" | "pmi" (PMI-1/PMI-2) | "none"
     library_path: tuple[str, ...] = ()  # LD_LIBRARY_PATH's directories, in order
     mpi4py_request: str | None = None  # MPI4PY_LIBMPI / MPI4PY_MPIABI as the user set them
@@ -175,21 +168,14 @@ def detect_environment(
     if environ is None:
         environ = os.environ
     detector, placement = detect_launcher(environ)
-    master_addr = environ.get("MASTER_ADDR", "").strip() or placement.master_addr
-    master_port = _master_port(environ) or placement.master_port
+    read = dataclasses.asdict(placement)
+    read.update(master_addr=environ.get("MASTER_ADDR", "").strip() or placement.master_addr,
+                master_port=_master_port(environ) or placement.master_port,
+                hosts=placement.hosts or _given_hosts(environ))
     return JobEnv(
+        **read,
         launcher=detector.name,
-        rank=placement.rank,
-        world_size=placement.world_size,
-        local_rank=placement.local_rank,
-        local_world_size=placement.local_world_size,
-        node_rank=placement.node_rank,
-        num_nodes=placement.num_nodes,
-        master_addr=master_addr,
-        master_port=master_port,
         hostname=hostname or socket.gethostname(),
-        hosts=placement.hosts or _given_hosts(environ),
-        job_id=placement.job_id,
         visible_devices=environ.get("CUDA_VISIBLE_DEVICES"),
         image=environ.get("DDP_IMAGE") or None,
         preempt_signal=parse_signal(environ.get("DDP_PREEMPT_SIGNAL", PREEMPT_SIGNAL)),
@@ -202,7 +188,7 @@ def detect_environment(
 
 def describe(env: JobEnv, environ: Mapping[str, str]) -> str:
     """A human table of ``env``, with a note when the allocation is not being used."""
-    rows = dataclasses.asdict(env)
+    rows = {"launcher": env.launcher, **dataclasses.asdict(env)}
     rows["hosts"] = ",".join(env.hosts) or "-"
     rows["library_path"] = ":".join(env.library_path) or "-"
     rows["network"] = _network_row(env)

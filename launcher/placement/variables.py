@@ -24,9 +24,9 @@ class Placement:
     local_world_size: int
     node_rank: int
     num_nodes: int
-    master_addr: str | None = None
-    master_port: int | None = None
-    hosts: tuple[str, ...] = ()
+    master_addr: str | None = None  # None = decided at start-up: rank 0's, broadcast over MPI
+    master_port: int | None = None  # None = decided at start-up: a free port picked by rank 0
+    hosts: tuple[str, ...] = ()  # node list: Slurm's, else DDP_HOSTS (invoke run --hosts)
     job_id: str | None = None
 
 
