@@ -153,7 +153,17 @@ NODES_RANGE = ("a count, or MIN-MAX (2-3): the job starts on as many as are free
                "requeue after a lost node may continue on fewer")
 
 
-@documented(Launch, Batch, notes={**NOTES, "nodes": NODES_RANGE}, renamed=RENAMED,
+#: what srun can start: --runtime docker is for `invoke run` (the compose cluster) only
+SBATCH_NOTES = {
+    "runtime": "apptainer (`apptainer exec` per rank), charliecloud (`ch-run`), pyxis (srun "
+    "--container-image), podman-hpc or none (python on the host) (default apptainer)",
+    "image": "the runtime's image: apptainer ddp-cpu.sif, charliecloud ddp-cpu (a directory "
+    "from `invoke chimage`, or a SIF from `invoke sif`, mounted on every node), pyxis "
+    "ddp+cpu.sqsh, podman-hpc ddp:cpu (the defaults)",
+}
+
+
+@documented(Launch, Batch, notes={**NOTES, **SBATCH_NOTES, "nodes": NODES_RANGE}, renamed=RENAMED,
             auto_shortflags=False, iterable=["bind", "env", "directive", "setup"])
 def sbatch(c, nodes=str(LAUNCH.nodes), procs_per_node=LAUNCH.procs_per_node, runtime=LAUNCH.runtime,
            pmi=LAUNCH.pmi, image=LAUNCH.image, gpus_per_node=LAUNCH.gpus_per_node,
