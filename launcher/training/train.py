@@ -123,15 +123,18 @@ class Trainer:
         use_cores_fairly(config.threads, env, device)
         if config.deterministic:
             use_deterministic_kernels()
-        if config.precision == "fp16" and device.type != "cuda":
-            raise LaunchError("--precision fp16 needs a GPU (GradScaler); this rank runs on CPU",
-                              hint="use --precision bf16 on CPU, or run on GPUs")
+        # user errors below are agreed: each rank raises the same one, so exit-status keeps it
+        with agree():
+            if config.precision == "fp16" and device.type != "cuda":
+                raise LaunchError("--precision fp16 needs a GPU (GradScaler); this rank runs "
+                                  "on CPU", hint="use --precision bf16 on CPU, or run on GPUs")
         data = load_dataset(config.dataset, config.data_dir, env.local_rank)
         spec = _build_checked_model(config, data, env)
         spec.module.to(device)
         # a checkpoint of another world size says first why its batch may not divide into this one
         state = resume_state(config, job, log)
-        micro_batch = config.per_rank_batch(env.world_size)
+        with agree():
+            micro_batch = config.per_rank_batch(env.world_size)
         log.info(f"training {config.model} on {config.dataset}: {env.world_size} rank(s), "
                  f"backend {job.backend}, device {device.type}, global batch "
                  f"{config.global_batch_size} = {env.world_size} x {config.grad_accum} x "
@@ -144,9 +147,11 @@ class Trainer:
         sampler = DistributedSampler(data.train, num_replicas=env.world_size, rank=env.rank,
                                      shuffle=True, seed=config.seed, drop_last=True)
         steps = config.epochs * (len(sampler) // (micro_batch * config.grad_accum))
-        if steps == 0:
-            raise LaunchError(f"--global-batch-size {config.global_batch_size} is larger than "
-                              f"the {len(data.train)} training samples", hint="use a smaller one")
+        with agree():
+            if steps == 0:
+                raise LaunchError(f"--global-batch-size {config.global_batch_size} is larger "
+                                  f"than the {len(data.train)} training samples",
+                                  hint="use a smaller one")
         scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=steps)
         scaler = torch.amp.GradScaler(device.type, enabled=config.precision == "fp16")
         trainer = cls(config, job, log, data, spec, spec.module, optimizer, scheduler,
