@@ -16,7 +16,7 @@ from pathlib import Path
 from torch import nn
 
 from launcher.api import checkpoint
-from launcher.api.job import Job
+from launcher.api.job import Job, resharded_note
 from launcher.core.errors import LaunchError
 from launcher.core.logging_utils import RankLog
 from launcher.faults.agreement import agree
@@ -49,6 +49,8 @@ def resume_state(config: TrainConfig, job: Job, log: RankLog) -> dict | None:
     state = job.load(path, restore_rng=False)
     with agree():
         _check_compatible(state, config, path, job.world_size)
+    if note := resharded_note(path, state, job.world_size):  # the trainer reseeds
+        log.info(note)
     log.info(f"resuming from {path} (step {state['step']}, epoch {state['epoch']}, "
              f"batch {state['batch']})")
     return state
