@@ -144,8 +144,9 @@ def test_files_follow_the_umask_as_torch_save_does(tmp_path):
     code = (
         "import os, sys, torch\n"
         "from pathlib import Path\n"
-        "from launcher import checkpoint, exit_status\n"
-        "from launcher.atomic import write_atomic\n"
+        "from launcher.api import checkpoint\n"
+        "from launcher.faults import exit_status\n"
+        "from launcher.core.atomic import write_atomic\n"
         "os.umask(0o022)\n"
         "d = Path(sys.argv[1])\n"
         "checkpoint.save(d, 1, {'w': torch.ones(2)}, keep=3)\n"
