@@ -141,9 +141,13 @@ def load(env: JobEnv) -> MpiChoice:
     return _loaded
 
 
+#: this node's decision on CMA, once made (``launcher.check`` shows it on local rank 0)
+single_copy: cma.Decision | None = None
+
+
 def _decide_single_copy(env: JobEnv, choice: MpiChoice) -> None:
     """Turn the bundled MPI's CMA on or off as this node's ranks found it works
-    (``launcher.mpi.cma``); local rank 0 says which, why and what off costs, in one line.
+    (``launcher.mpi.cma``); when off, local rank 0 says why and what it costs, in one line.
 
     Only for MPI launches with several ranks on the node: one rank has no peer to copy from.
     The user's own setting wins and is not probed (the transfer check in
@@ -153,9 +157,10 @@ def _decide_single_copy(env: JobEnv, choice: MpiChoice) -> None:
     variable, on, off = SINGLE_COPY[choice.abi]
     if variable in os.environ or env.pmi == "none" or env.local_world_size < 2:
         return
-    decision = cma.node_decision(env)
+    global single_copy
+    decision = single_copy = cma.node_decision(env)
     os.environ[variable] = on if decision.on else off
-    if env.local_rank == 0:
+    if env.local_rank == 0 and not decision.on:  # on is the rule: launcher.check says it
         print(decision.line(env), file=sys.stderr, flush=True)
 
 
