@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
+import sys
 from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 from pathlib import Path
@@ -70,6 +72,24 @@ def _sif_for_charliecloud(launch: Launch) -> tuple[Path, int, str] | None:
     return Path(launch.image), offset, sif_file.mount_point(digest)
 
 
+def _host_path(launch: Launch) -> dict[str, str]:
+    """PATH for the command: with ``--runtime none`` the ranks are this venv's Python and its
+    MPICH (where ``invoke`` runs from ``.venv/bin`` of an inactive venv, PATH lacks them)."""
+    path = os.environ.get("PATH", "")
+    if launch.runtime == "none" and sys.prefix != sys.base_prefix:
+        path = os.pathsep.join([str(Path(sys.executable).parent), path])
+    return {"PATH": path}
+
+
+def _installed(program: str, env: dict[str, str]) -> None:
+    """A LaunchError naming ``program`` when the command's first word is not on its PATH."""
+    if not shutil.which(program, path=env["PATH"]):
+        raise LaunchError(
+            f"{program} is not on PATH",
+            hint=f"install it or load your site's module; with --runtime none, run this "
+                 f"venv's invoke with {program} installed in it (pip install mpich)")
+
+
 def _mounted_here(launch: Launch, sif, dry_run: bool):
     """The SIF mounted on this machine for the run (a context); the mount point as image."""
     if sif is None:
@@ -122,7 +142,9 @@ def run(c, nodes=LAUNCH.nodes, procs_per_node=LAUNCH.procs_per_node, launcher=LA
                 if sif:
                     print(shlex.join(sif_file.unmount_command(mounted.image)))
                 return
-            result = c.run(command, pty=False, warn=True)
+            env = _host_path(mounted)
+            _installed(shlex.split(command)[0], env)
+            result = c.run(command, pty=False, warn=True, env=env)
     if result.exited:
         raise Exit(code=result.exited)
 
@@ -132,7 +154,17 @@ NODES_RANGE = ("a count, or MIN-MAX (2-3): the job starts on as many as are free
                "requeue after a lost node may continue on fewer")
 
 
-@documented(Launch, Batch, notes={**NOTES, "nodes": NODES_RANGE}, renamed=RENAMED,
+#: what srun can start: --runtime docker is for `invoke run` (the compose cluster) only
+SBATCH_NOTES = {
+    "runtime": "apptainer (`apptainer exec` per rank), charliecloud (`ch-run`), pyxis (srun "
+    "--container-image), podman-hpc or none (python on the host) (default apptainer)",
+    "image": "the runtime's image: apptainer ddp-cpu.sif, charliecloud ddp-cpu (a directory "
+    "from `invoke chimage`, or a SIF from `invoke sif`, mounted on every node), pyxis "
+    "ddp+cpu.sqsh, podman-hpc ddp:cpu (the defaults)",
+}
+
+
+@documented(Launch, Batch, notes={**NOTES, **SBATCH_NOTES, "nodes": NODES_RANGE}, renamed=RENAMED,
             auto_shortflags=False, iterable=["bind", "env", "directive", "setup"])
 def sbatch(c, nodes=str(LAUNCH.nodes), procs_per_node=LAUNCH.procs_per_node, runtime=LAUNCH.runtime,
            pmi=LAUNCH.pmi, image=LAUNCH.image, gpus_per_node=LAUNCH.gpus_per_node,

@@ -98,6 +98,14 @@ def test_a_two_rank_checkpoint_loads_with_torch_load_and_in_one_process(tmp_path
     assert (f"{path} was written by 2 ranks, resuming on 1: data order continues by global "
             "sample; not bit-identical to an uninterrupted 2-rank run") in loaded.stdout
 
+    # to evaluate: no RNG restored, nothing resumed, nothing to say, however often it loads
+    quiet = python(script(tmp_path, "quiet", LOAD.replace(
+        "state = job.load(sys.argv[1])",
+        "state = job.load(sys.argv[1], restore_rng=False)\n"
+        "    state = job.load(sys.argv[1], restore_rng=False)")), str(path))
+    assert quiet.returncode == 0, quiet.stdout + quiet.stderr
+    assert quiet.stdout == "loaded step 5 samples 40 on 1\n", quiet.stdout
+
 
 @pytest.mark.mpi
 def test_a_save_that_resume_could_not_load_is_refused_on_every_rank(tmp_path):

@@ -11,6 +11,7 @@ import pytest
 
 from launcher.core.errors import EXIT_USER_ERROR
 from launcher.diagnostics.rank_report import RankReport, find_differences, format_table
+from launcher.placement import network
 from tests.fixtures.gpu import nccl_ranks, needs_gpu
 from tests.fixtures.mpi import REPO_ROOT, clean_environ, json_objects, run_mpi
 from tests.fixtures.rank_exits import FAILURE_ENDS_WITHIN_S, RECORD, rank_exits
@@ -67,6 +68,18 @@ def test_check_passes_under_mpiexec_on_gloo_and_mpi(ranks):
     assert {r["launcher"] for r in summary["ranks"]} == {"hydra"}
     assert set(summary["backends"]) == {"gloo", "mpi4py"}
     assert all(len(b["ping_pong_us"]) == ranks - 1 for b in summary["backends"].values())
+
+
+@pytest.mark.mpi
+def test_the_default_check_names_each_ranks_interface_and_no_idle_memlock_news():
+    """Under plain `mpiexec -n 2` (backend auto: the mpi backend, no rendezvous host) every
+    rank still says how it reaches the others; memlock is news only on a node with RDMA."""
+    result = run_mpi(2, ["-m", "launcher.check", "--json"], timeout=120)
+    assert result.returncode == 0, result.output
+    summary = _summary(result.stdout)
+    assert all(r["interface"] not in ("", "-") for r in summary["ranks"]), summary["ranks"]
+    if not network.has_rdma():
+        assert not any("memlock" in w for r in summary["ranks"] for w in r["warnings"])
 
 
 @pytest.mark.mpi

@@ -137,6 +137,29 @@ def test_only_a_temp_name_exists_before_the_rename(tmp_path, monkeypatch):
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt-00000003.pt"]
 
 
+def test_files_follow_the_umask_as_torch_save_does(tmp_path):
+    """Under umask 022 a checkpoint, exit-status and slow-nodes are 0644, like torch.save's
+    file: a teammate on the shared file system reads them (in a process of its own: the umask
+    is per process)."""
+    code = (
+        "import os, sys, torch\n"
+        "from pathlib import Path\n"
+        "from launcher.api import checkpoint\n"
+        "from launcher.faults import exit_status\n"
+        "from launcher.core.atomic import write_atomic\n"
+        "os.umask(0o022)\n"
+        "d = Path(sys.argv[1])\n"
+        "checkpoint.save(d, 1, {'w': torch.ones(2)}, keep=3)\n"
+        "exit_status._write(d, 75, 'preempted')\n"
+        "write_atomic(d / 'slow-nodes', b'')\n"
+        "torch.save({}, d / 'torch-save.pt')\n"
+    )
+    subprocess.run([sys.executable, "-c", code, str(tmp_path)], check=True, timeout=120)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in tmp_path.iterdir()}
+    assert modes == dict.fromkeys(
+        ["ckpt-00000001.pt", "exit-status", "slow-nodes", "torch-save.pt"], 0o644), modes
+
+
 def test_rng_states_round_trip_through_a_file(tmp_path):
     cpu = torch.device("cpu")
     torch.manual_seed(1)

@@ -183,3 +183,19 @@ def test_the_job_key_is_the_launch_daemons_not_a_runtimes_between(tmp_path):
                            cwd=ROOT, check=True).stdout.split() for _ in range(2)]
     assert len(set(keys[0])) == 1 and keys[0][0].startswith("single-"), keys
     assert keys[0][0] != keys[1][0]
+
+
+@pytest.mark.mpi
+def test_a_run_says_nothing_of_cma_when_on_and_the_check_says_it_either_way():
+    """Every mpiexec run used to print the node's CMA line; now only an "off" (a cost to act
+    on) is printed by every run, and launcher.check shows the decision whichever it is."""
+    from tests.fixtures.mpi import run_mpi
+
+    check = run_mpi(2, ["-m", "launcher.check", "--backend", "mpi"], timeout=120)
+    assert check.returncode == 0, check.output
+    [line] = [x for x in check.stderr.splitlines() if "(CMA) on " in x]
+    plain = run_mpi(2, ["-c", "import launcher\nwith launcher.distributed('mpi') as job:\n"
+                        "    job.print('up')"], timeout=120)
+    assert plain.returncode == 0 and plain.stdout == "up\n", plain.output
+    printed = [x for x in plain.stderr.splitlines() if "(CMA) on " in x]
+    assert printed == ([] if ": on: " in line else [line]), plain.stderr

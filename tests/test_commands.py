@@ -447,3 +447,39 @@ def test_cli_errors_name_cause_and_hint(argv, cause, tmp_path):
     assert "\nHINT: " in result.stderr
     assert "Traceback" not in result.stderr
     assert list(tmp_path.iterdir()) == []  # nothing written on error
+
+
+# -- `invoke run` from .venv/bin with the venv not on PATH (not activated) ---------------------
+
+#: a shell's PATH without the venv: what `.venv/bin/invoke` sees when the venv is not active
+NO_VENV_PATH = "/usr/local/bin:/usr/bin:/bin"
+
+
+@pytest.mark.mpi
+def test_run_runtime_none_uses_the_venvs_mpiexec_and_python(tmp_path):
+    mpiexec_path()
+    result = invoke("run", "--runtime", "none", "--procs-per-node", "2", "--module",
+                    "launcher.env", cwd=tmp_path, PATH=NO_VENV_PATH, PYTHONPATH=str(ROOT))
+    assert result.returncode == 0, result.stderr
+    assert sorted(re.findall(r"^rank +(\d)$", result.stdout, re.M)) == ["0", "1"], result.stdout
+
+
+def test_run_without_the_host_launcher_says_so_with_a_hint(tmp_path):
+    result = invoke("run", "--module", "launcher.env", cwd=tmp_path, PATH=NO_VENV_PATH)
+    assert result.returncode == EXIT_USER_ERROR, result.stderr
+    assert result.stderr.startswith("error: mpiexec is not on PATH\nHINT: "), result.stderr
+
+
+def test_sbatch_help_offers_only_the_runtimes_srun_starts(tmp_path):
+    help_text = invoke("--help", "sbatch", cwd=tmp_path).stdout
+    runtime = re.search(r"--runtime=STRING(.*?)\n  --", help_text, re.S).group(1)
+    assert "docker" not in runtime and "podman-hpc" in runtime, runtime
+    result = invoke("sbatch", "--runtime", "docker", cwd=tmp_path)
+    assert result.returncode == EXIT_USER_ERROR  # what the help leaves out is refused
+
+
+def test_the_written_batch_script_is_not_tracked():
+    """`invoke sbatch` in a clone writes JOB_NAME.sbatch beside tasks.py: git ignores it."""
+    for name in ("ddp.sbatch", "demo.sbatch"):
+        result = subprocess.run(["git", "check-ignore", "-q", name], cwd=ROOT)
+        assert result.returncode == 0, f"{name} is not in .gitignore"

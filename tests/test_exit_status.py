@@ -75,3 +75,26 @@ def test_a_survivor_that_named_nobody_leaves_the_names_alone(tmp_path):
     with pytest.raises(PeerLost), exit_status.recorded(tmp_path, rank=0):
         raise PeerLost("rank 0 on n0 lost contact")
     assert (tmp_path / run_files.LOST_NODES_FILE).read_text() == "n2\n"
+
+
+@pytest.mark.mpi
+def test_a_user_error_found_in_the_run_directory_keeps_its_reason(tmp_path, mpi_runner):
+    """Found by every rank after the run directory exists: the reason, not "a rank failed"."""
+    run_dir = tmp_path / "run"
+    result = mpi_runner(2, ["-m", "launcher.train", "--run-dir", str(run_dir), "--data-dir",
+                            str(tmp_path / "data"), "--grad-accum", "2",
+                            "--global-batch-size", "63"], timeout=120)
+    assert result.returncode == 2, result.output
+    assert (run_dir / run_files.EXIT_STATUS_FILE).read_text() == (
+        "2 --global-batch-size 63 does not divide into 2 ranks x 2 micro-batches\n")
+
+
+def test_a_run_that_ends_before_its_first_record_leaves_no_metrics_file(tmp_path):
+    run_dir = tmp_path / "run"
+    result = subprocess.run(
+        [sys.executable, "-m", "launcher.train", "--run-dir", str(run_dir), "--data-dir",
+         str(tmp_path / "data"), "--global-batch-size", "100000"],
+        capture_output=True, text=True, env=clean_environ(), cwd=tmp_path, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert "starting from scratch" in result.stdout, result.stdout
+    assert not (run_dir / "metrics.jsonl").exists()

@@ -42,15 +42,25 @@ def test_too_small_for_mpi_names_the_docker_flag():
     assert shm.too_small_for_mpi(12, NodeMemory(64 * MIB, 64 * MIB, shm.UNLIMITED)) is not None
 
 
-def test_warnings_below_the_recommendation():
+def test_warnings_below_the_recommendation(tmp_path, monkeypatch):
     fine = NodeMemory(1024 * MIB, 1024 * MIB, shm.UNLIMITED)
-    assert shm.warnings(4, fine) == []
+    assert shm.warnings(4, fine, rdma=True) == []
     docker_default = NodeMemory(64 * MIB, 64 * MIB, 8192 * 1024)
-    found = shm.warnings(4, docker_default)
+    (tmp_path / ".dockerenv").touch()
+    monkeypatch.setattr(shm, "DOCKERENV", str(tmp_path / ".dockerenv"))
+    found = shm.warnings(4, docker_default, rdma=True)
     assert len(found) == 2
     assert "--shm-size=1g" in found[0]
     assert "memlock=-1" in found[1]
-    assert len(shm.warnings(8, fine)) == 1  # 8 ranks want 2 GiB
+    assert len(shm.warnings(8, fine, rdma=True)) == 1  # 8 ranks want 2 GiB
+
+
+def test_memlock_is_news_only_with_rdma_and_docker_only_in_docker(tmp_path, monkeypatch):
+    limited = NodeMemory(1024 * MIB, 1024 * MIB, 8192 * 1024)
+    assert shm.warnings(2, limited, rdma=False) == []  # plain TCP locks no memory
+    monkeypatch.setattr(shm, "DOCKERENV", str(tmp_path / "no-dockerenv"))
+    [line] = shm.warnings(2, limited, rdma=True)
+    assert "docker" not in line and "/etc/security/limits.conf" in line, line
 
 
 # --- in a container, for real ------------------------------------------------------------

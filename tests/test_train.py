@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -509,3 +510,23 @@ def test_sync_batch_norm_on_gpu_makes_two_ranks_match_one(tmp_path, data_dir):
     assert any("running_mean" in k for k in a), sorted(a)
     worst = differences(a, b)
     assert max(worst.values()) < 1e-4, worst
+
+
+def test_the_already_complete_hint_followed_literally_trains_again(tmp_path, data_dir):
+    def once(run_dir: Path) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "launcher.train", "--run-dir", str(run_dir), "--data-dir",
+             str(data_dir), "--epochs", "1"],
+            capture_output=True, text=True, env=clean_environ(), cwd=tmp_path, timeout=240)
+
+    assert once(tmp_path / "run").returncode == 0
+    again = once(tmp_path / "run")
+    assert again.returncode == 0, again.stderr
+    said = re.search(r"training already complete at step \d+: nothing to do \(to train again: "
+                     r"a new --run-dir, or remove (\S+)\)", again.stdout)
+    assert said, again.stdout
+    shutil.rmtree(tmp_path / said.group(1))  # relative to where it ran
+    for run_dir in (tmp_path / "run", tmp_path / "new"):
+        trained = once(run_dir)
+        assert trained.returncode == 0, trained.stderr
+        assert "starting from scratch" in trained.stdout and "param-sha256" in trained.stdout

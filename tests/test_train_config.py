@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
 
 import pytest
 
 from launcher.core.errors import LaunchError
 from launcher.core.field_docs import field_docs
 from launcher.training.config import TrainConfig, build_parser, parse_args
+from tests.fixtures.mpi import REPO_ROOT, clean_environ
 
 
 def test_every_field_has_a_docstring_and_a_flag():
@@ -59,3 +63,16 @@ def test_batch_must_divide():
     with pytest.raises(LaunchError, match="does not divide into 4 ranks x 2") as info:
         config.per_rank_batch(4)
     assert "multiple of 8" in info.value.hint
+
+
+def test_help_answers_without_importing_torch(tmp_path):
+    """`--help` in a fraction of a second: a torch that cannot be imported is never touched."""
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text("raise ImportError('torch imported')\n")
+    env = clean_environ({"PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO_ROOT}"})
+    result = subprocess.run([sys.executable, "-m", "launcher.train", "--help"], env=env,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "--metrics METRICS" in result.stdout
+    assert "(default: None)" not in result.stdout  # what no value means is in the field's doc
+    assert "(default RUN_DIR/metrics.jsonl)" in result.stdout

@@ -169,15 +169,13 @@ class Job:
         """Collective: the checkpoint at ``path`` on every rank, onto this rank's device, with
         this rank's RNG states restored (or later, with ``restore_rng(state)``). Any world size
         reads it: on the one that wrote it each rank gets its own states back (bit-exact); on
-        another, a line says so and each rank's streams are reseeded (``restore_rng``)."""
+        another, a line says so and each rank's streams are reseeded (``restore_rng``). With
+        ``restore_rng=False`` (evaluation, or restoring later) it prints nothing."""
         with agree():
             state = checkpoint.load(path, map_location=self.device)
-        saved = len(state.get("rng", ()))
-        if saved and saved != self.world_size:
-            self.print(f"{path} was written by {saved} ranks, resuming on {self.world_size}: "
-                       "data order continues by global sample; not bit-identical to an "
-                       f"uninterrupted {saved}-rank run")
-        if restore_rng:
+        if restore_rng:  # the line is about the RNG streams: said where they are reseeded
+            if note := resharded_note(path, state, self.world_size):
+                self.print(note)
             self.restore_rng(state)
         return state
 
@@ -194,6 +192,15 @@ class Job:
     #: Collective context manager: a LaunchError raised inside on some ranks is raised on every
     #: rank (the others name the rank that failed), so nobody waits in the next collective
     agree = staticmethod(agree)
+
+
+def resharded_note(path: str | Path, state: dict, world_size: int) -> str | None:
+    """The line for resuming on another number of ranks than wrote ``state``; else None."""
+    saved = len(state.get("rng", ()))
+    if not saved or saved == world_size:
+        return None
+    return (f"{path} was written by {saved} ranks, resuming on {world_size}: data order "
+            f"continues by global sample; not bit-identical to an uninterrupted {saved}-rank run")
 
 
 def _warn(text: str) -> None:

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import os
-import tempfile
+import secrets
 from pathlib import Path
 
 
 def write_atomic(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` so that no reader ever sees a partial file."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    fd, tmp = _new_beside(path)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -26,3 +26,16 @@ def write_atomic(path: Path, data: bytes) -> None:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+def _new_beside(path: Path) -> tuple[int, Path]:
+    """A new temporary file beside ``path``, created exclusively like ``mkstemp`` but with the
+    mode ``open`` gives (0666 less the umask, as ``torch.save``'s): mkstemp's 0600 would keep a
+    checkpoint or ``exit-status`` from a teammate on the same shared file system."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+    while True:
+        tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
+        try:
+            return os.open(tmp, flags, 0o666), tmp
+        except FileExistsError:
+            continue

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -25,9 +26,16 @@ class RankLog:
         self.tty = is_main and stream.isatty()
         self._bar_open = False
         self._metrics = None
-        if is_main and metrics_path is not None:
+        # opened at the first record: a run that ends in a user error leaves no empty file,
+        # but a path that cannot be written is still found here (OSError), before training
+        self._metrics_path = metrics_path if is_main else None
+        if self._metrics_path is not None:
             metrics_path.parent.mkdir(parents=True, exist_ok=True)
-            self._metrics = metrics_path.open("a", encoding="utf-8")
+            if metrics_path.is_dir():
+                raise IsADirectoryError(errno.EISDIR, "Is a directory", str(metrics_path))
+            if not os.access(metrics_path if metrics_path.exists() else metrics_path.parent,
+                             os.W_OK):
+                raise PermissionError(errno.EACCES, "Permission denied", str(metrics_path))
 
     def info(self, text: str) -> None:
         if self.is_main:
@@ -54,6 +62,8 @@ class RankLog:
         self._bar_open = True
 
     def metrics(self, record: dict) -> None:
+        if self._metrics is None and self._metrics_path is not None:
+            self._metrics = self._metrics_path.open("a", encoding="utf-8")
         if self._metrics is not None:
             self._metrics.write(json.dumps({"time": round(time.time(), 3), **record}) + "\n")
             self._metrics.flush()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -37,6 +38,7 @@ from launcher.diagnostics.rank_report import (
 from launcher.faults.exits import exit_statuses
 from launcher.group.backends import BACKEND_CHOICES
 from launcher.group.process_group import DistContext, process_group
+from launcher.mpi import library as mpi_library
 from launcher.placement import settings
 from launcher.placement.env import JobEnv, detect_environment
 
@@ -90,6 +92,7 @@ def run_check(env: JobEnv, backends: list[str], timeout_s: float, as_json: bool)
     for index, backend in enumerate(backends):
         with process_group(env, backend, timeout_s) as ctx:
             if index == 0:
+                _say_single_copy(ctx.env)
                 mine = asdict(collect_report(ctx.env, ctx.device))
                 reports = [RankReport(**r) for r in gather(mine)]
                 problems += find_differences(reports)
@@ -114,6 +117,13 @@ def run_check(env: JobEnv, backends: list[str], timeout_s: float, as_json: bool)
     if env.is_main and as_json:
         print(json.dumps(summary, sort_keys=True), flush=True)
     return 0 if not problems else EXIT_CHECK_FAILED
+
+
+def _say_single_copy(env: JobEnv) -> None:
+    """This node's CMA decision, which a run prints only when it is off: here on too."""
+    decided = mpi_library.single_copy_decision()
+    if env.local_rank == 0 and decided is not None and decided[0]:
+        print(decided[1], file=sys.stderr, flush=True)
 
 
 def _quiet(*_args: object, **_kwargs: object) -> None:

@@ -11,9 +11,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from launcher.core.errors import LaunchError
 from launcher.mpi import library as mpi_library
-from launcher.placement import shm
-from launcher.placement.env import JobEnv
+from launcher.placement import network, shm
+from launcher.placement.env import JobEnv, planned_network
 
 #: what must be the same on every rank for the job to be trustworthy
 MUST_MATCH = (
@@ -89,11 +90,22 @@ def collect_report(env: JobEnv, device: torch.device) -> RankReport:
         cuda=cuda,
         nccl=nccl,
         image=env.image or "-",
-        interface=env.network.describe() if env.network else "-",
+        interface=_interface(env),
         shm_mib=memory.shm_size // shm.MIB,
         memlock="unlimited" if memory.memlock == shm.UNLIMITED else str(memory.memlock // 1024),
-        warnings=tuple(shm.warnings(env.local_world_size, memory)),
+        warnings=tuple(shm.warnings(env.local_world_size, memory, network.has_rdma())),
     )
+
+
+def _interface(env: JobEnv) -> str:
+    """The interface this rank talks to the others through: the one the store's rendezvous
+    chose, or the route to a known rendezvous host; else the mpi backend, which needs no
+    rendezvous host, leaves the choice to the MPI library (shared memory within a node)."""
+    try:
+        choice = planned_network(env)
+    except LaunchError as error:
+        return f"none: {error.message}"
+    return choice.describe() if choice else "MPI's own choice"
 
 
 def _mpi_identity() -> tuple[str, str, str]:

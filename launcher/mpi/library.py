@@ -142,9 +142,13 @@ def load(env: JobEnv) -> MpiChoice:
     return _loaded
 
 
+#: this node's decision on CMA, once made (``launcher.check`` shows it on local rank 0)
+single_copy: cma.Decision | None = None
+
+
 def _decide_single_copy(env: JobEnv, choice: MpiChoice) -> None:
     """Turn the bundled MPI's CMA on or off as this node's ranks found it works
-    (``launcher.mpi.cma``); local rank 0 says which, why and what off costs, in one line.
+    (``launcher.mpi.cma``); when off, local rank 0 says why and what it costs, in one line.
 
     Only for MPI launches with several ranks on the node: one rank has no peer to copy from.
     The user's own setting wins and is not probed (the transfer check in
@@ -155,11 +159,20 @@ def _decide_single_copy(env: JobEnv, choice: MpiChoice) -> None:
     if settings.user_value(variable) is not None or env.pmi == "none" or env.local_world_size < 2:
         return
     decision = cma.node_decision(env)
-    settings.decide(variable, on if decision.on else off,
-                    f"single-copy transfers (CMA) {'on' if decision.on else 'off'}: "
-                    f"{decision.reason}")
-    if env.local_rank == 0:
-        print(decision.line(env), file=sys.stderr, flush=True)
+    line = decision.line(env)
+    settings.decide(variable, on if decision.on else off, line)
+    if env.local_rank == 0 and not decision.on:  # on is the rule: launcher.check says it
+        print(line, file=sys.stderr, flush=True)
+
+
+def single_copy_decision() -> tuple[bool, str] | None:
+    """This process's CMA decision as ``_decide_single_copy`` recorded it: (on, its line);
+    None where none was made (the user's setting, one rank on the node, no MPI launch)."""
+    for setting in settings.applied():
+        for variable, on, _off in SINGLE_COPY.values():
+            if setting["name"] == variable and setting["source"] == "launcher":
+                return setting["value"] == on, setting["why"]
+    return None
 
 
 def _power_of_two(n: int) -> bool:

@@ -123,6 +123,11 @@ def choose(user_ifname: str | None, target: str | None, spans_nodes: bool,
     return NetworkChoice(ifname, address, reason)
 
 
+def has_rdma() -> bool:
+    """Whether this node has RDMA devices (InfiniBand, RoCE, EFA)."""
+    return RDMA_DEVICES.is_dir() and any(RDMA_DEVICES.iterdir())
+
+
 def variables(choice: NetworkChoice, mpi_abi: str, rdma: bool | None = None) -> dict[str, str]:
     """What tells gloo, NCCL and the bundled MPI (``mpi_abi`` "mpich", "openmpi" or "" for a
     host MPI, which keeps its site's settings) to use ``choice``."""
@@ -130,7 +135,7 @@ def variables(choice: NetworkChoice, mpi_abi: str, rdma: bool | None = None) -> 
     found = {"GLOO_SOCKET_IFNAME": name, "NCCL_SOCKET_IFNAME": name}
     if mpi_abi == "mpich":
         if rdma is None:
-            rdma = RDMA_DEVICES.is_dir() and any(RDMA_DEVICES.iterdir())
+            rdma = has_rdma()
         if not rdma:
             # UCX_NET_DEVICES also filters RDMA devices: naming the TCP interface alone would
             # turn InfiniBand off, where UCX prefers it anyway

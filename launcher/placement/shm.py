@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import resource
 from dataclasses import dataclass
+from pathlib import Path
 
 from launcher.core.errors import LaunchError
 
@@ -42,6 +43,9 @@ def docker_size(size: int) -> str:
     gib, rest = divmod(size, 1024 * MIB)
     return f"{gib}g" if not rest else f"{-(-size // MIB)}m"
 
+
+#: the file Docker puts in every container: a memlock HINT names `docker run` only there
+DOCKERENV = "/.dockerenv"
 
 @dataclass(frozen=True)
 class NodeMemory:
@@ -90,8 +94,9 @@ def too_small_for_mpi(local_ranks: int, memory: NodeMemory) -> LaunchError | Non
     )
 
 
-def warnings(local_ranks: int, memory: NodeMemory) -> list[str]:
-    """One line per limit below what ``local_ranks`` ranks of this node should have."""
+def warnings(local_ranks: int, memory: NodeMemory, rdma: bool) -> list[str]:
+    """One line per limit below what ``local_ranks`` ranks of this node should have; memlock
+    only where it matters, on a node with RDMA devices (``rdma``): TCP locks no memory."""
     found = []
     want = recommended_shm(local_ranks)
     if memory.shm_size < want:
@@ -99,9 +104,11 @@ def warnings(local_ranks: int, memory: NodeMemory) -> list[str]:
             f"/dev/shm is {memory.shm_size // MIB} MiB, below the {want // MIB} MiB "
             f"recommended for {local_ranks} rank(s) per node (NCCL and DataLoader workers "
             f"fail with bus errors): {_shm_hint(local_ranks)}")
-    if memory.memlock != UNLIMITED:
+    if rdma and memory.memlock != UNLIMITED:
+        container = ("docker run --ulimit memlock=-1 (compose: ulimits: memlock: -1), or "
+                     if Path(DOCKERENV).exists() else "")
         found.append(
             f"memlock is limited to {memory.memlock // 1024} KiB: RDMA (InfiniBand, RoCE, "
-            "EFA) cannot register buffers; docker run --ulimit memlock=-1 (compose: ulimits: "
-            "memlock: -1), or raise it in /etc/security/limits.conf")
+            f"EFA) cannot register buffers; {container}raise it in "
+            "/etc/security/limits.conf")
     return found

@@ -16,9 +16,12 @@ from launcher.core.defaults import TIMEOUT_S
 from launcher.core.errors import LaunchError
 from launcher.core.field_docs import field_docs
 from launcher.group.backends import BACKEND_CHOICES
-from launcher.training.batches import per_rank_batch
-from launcher.training.data import DATASETS
-from launcher.training.models import BUILTIN
+from launcher.training.batch_size import per_rank_batch
+
+#: the built-in data sets and models (``launcher.training.data``, ``.models``): named here, a
+#: leaf without torch, so that ``--help`` and flag checks need no torch import
+DATASETS = ("digits", "mnist", "synthetic")
+BUILTIN = ("mlp", "autoencoder", "cnn")
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 SYNC_MODES = ("ddp", "manual")
@@ -106,7 +109,7 @@ class TrainConfig:
     learning-rate schedule still spans --epochs, so a later resume continues it exactly"""
 
     metrics: Path | None = None
-    """JSON-lines metrics file, appended to by rank 0; when not given, RUN_DIR/metrics.jsonl"""
+    """JSON-lines metrics file, appended to by rank 0 (default RUN_DIR/metrics.jsonl)"""
 
     log_every: int = 10
     """log (and record metrics) every N optimizer steps"""
@@ -180,11 +183,20 @@ class _Parser(argparse.ArgumentParser):
         raise LaunchError(message, hint="see python -m launcher.train --help")
 
 
+class _DefaultsShown(argparse.ArgumentDefaultsHelpFormatter):
+    """Each flag's default in its help, but not None: that field's doc says what it means."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="python -m launcher.train",
                      description="DDP training of a small model on 28x28 digits. Survives "
                      "preemption (SIGUSR1/SIGTERM: checkpoint, exit 75) and resumes bit-exact.",
-                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                     formatter_class=_DefaultsShown)
     docs = field_docs(TrainConfig)
     for field in dataclasses.fields(TrainConfig):
         flag = f"--{field.name.replace('_', '-')}"

@@ -30,9 +30,9 @@ import torch.nn.functional as F
 from launcher.core.atomic import write_atomic
 from launcher.core.errors import LaunchError
 from launcher.faults.agreement import agree
+from launcher.training.config import DATASETS
 from launcher.training.factories import load_factory
 
-DATASETS = ("digits", "mnist", "synthetic")
 IMAGE_SIZE = 28
 NUM_CLASSES = 10
 

@@ -147,8 +147,9 @@ class Trainer:
         config, p = self.config, self.position
         total = config.epochs * self.steps_per_epoch
         if p.epoch >= config.epochs:
-            self.log.info(f"training already complete at step {p.step}: nothing to do "
-                          f"(use a new --run-dir or --resume none to train again)")
+            # not --resume none: that refuses a directory holding an earlier run's checkpoints
+            self.log.info(f"training already complete at step {p.step}: nothing to do (to "
+                          f"train again: a new --run-dir, or remove {config.checkpoint_dir})")
             return
         start = time.perf_counter()
         while p.epoch < config.epochs:

@@ -18,9 +18,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from launcher.core.errors import LaunchError
+from launcher.training.config import BUILTIN
 from launcher.training.factories import load_factory
 
-BUILTIN = ("mlp", "autoencoder", "cnn")
 PIXELS = 28 * 28
 
 

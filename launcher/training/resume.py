@@ -16,11 +16,11 @@ from pathlib import Path
 from torch import nn
 
 from launcher.api import checkpoint
-from launcher.api.job import Job
+from launcher.api.job import Job, resharded_note
 from launcher.core.errors import LaunchError
 from launcher.core.logging_utils import RankLog
 from launcher.faults.agreement import agree
-from launcher.training.batches import per_rank_batch
+from launcher.training.batch_size import per_rank_batch
 from launcher.training.config import TrainConfig
 
 #: settings a resumed run must share with the checkpoint, or it would not continue the same run
@@ -50,6 +50,8 @@ def resume_state(config: TrainConfig, job: Job, log: RankLog) -> dict | None:
     state = job.load(path, restore_rng=False)
     with agree():
         _check_compatible(state, config, path, job.world_size)
+    if note := resharded_note(path, state, job.world_size):  # the trainer reseeds
+        log.info(note)
     log.info(f"resuming from {path} (step {state['step']}, epoch {state['epoch']}, "
              f"batch {state['batch']})")
     return state

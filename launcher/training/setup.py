@@ -30,15 +30,18 @@ def build_trainer(config: TrainConfig, job: Job) -> Trainer:
     use_cores_fairly(config.threads, env, device)
     if config.deterministic:
         use_deterministic_kernels()
-    if config.precision == "fp16" and device.type != "cuda":
-        raise LaunchError("--precision fp16 needs a GPU (GradScaler); this rank runs on CPU",
-                          hint="use --precision bf16 on CPU, or run on GPUs")
+    # user errors below are agreed: each rank raises the same one, so exit-status keeps it
+    with agree():
+        if config.precision == "fp16" and device.type != "cuda":
+            raise LaunchError("--precision fp16 needs a GPU (GradScaler); this rank runs "
+                              "on CPU", hint="use --precision bf16 on CPU, or run on GPUs")
     data = load_dataset(config.dataset, config.data_dir, env.local_rank)
     spec = _build_checked_model(config, data, env)
     spec.module.to(device)
     # a checkpoint of another world size says first why its batch may not divide into this one
     state = resume_state(config, job, log)
-    micro_batch = config.per_rank_batch(env.world_size)
+    with agree():
+        micro_batch = config.per_rank_batch(env.world_size)
     log.info(f"training {config.model} on {config.dataset}: {env.world_size} rank(s), "
              f"backend {job.backend}, device {device.type}, global batch "
              f"{config.global_batch_size} = {env.world_size} x {config.grad_accum} x "
@@ -48,8 +51,9 @@ def build_trainer(config: TrainConfig, job: Job) -> Trainer:
     if device.type == "cuda" and env.is_distributed:
         spec = ModelSpec(nn.SyncBatchNorm.convert_sync_batchnorm(spec.module), spec.task)
     optimizer = torch.optim.SGD(spec.module.parameters(), lr=config.lr, momentum=0.9)
-    sampler = GlobalBatchSampler(len(data.train), config.global_batch_size, env.rank,
-                                 env.world_size, seed=config.seed)
+    with agree():
+        sampler = GlobalBatchSampler(len(data.train), config.global_batch_size, env.rank,
+                                     env.world_size, seed=config.seed)
     steps = config.epochs * sampler.steps_per_epoch
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=steps)
     scaler = torch.amp.GradScaler(device.type, enabled=config.precision == "fp16")
