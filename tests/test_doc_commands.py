@@ -7,7 +7,7 @@ the docs run"):
   and the lines up to the next command their output, compared exactly (stdout and stderr
   together); a fence without ``$ `` lines holds one command per line, each must exit 0.
 - ``<!-- doc-test: dry-run -->``: each command runs with ``--dry-run`` appended.
-- ``<!-- doc-test: only TEXT -->``: only the commands that contain TEXT run here.
+- ``<!-- doc-test: only REGEX -->``: only the commands REGEX finds something in run here.
 - ``<!-- doc-test: file NAME -->``: the fence is file NAME as the commands of the file's
   previous marked fence write it.
 - ``<!-- doc-test: slow -->``: takes more than a few seconds; pytest marker ``slow``.
@@ -63,7 +63,7 @@ class Fence:
                     pairs[-1][1] += line + "\n"
         only = self.options.get("only")
         return [(_dry(c) if "dry-run" in self.options else c, out) for c, out in pairs
-                if only is None or only in c]
+                if only is None or re.search(only, c)]
 
 
 def _dry(command: str) -> str:
