@@ -7,4 +7,6 @@ pytest_plugins = [
     "tests.fixtures.cluster",
     "tests.fixtures.host_mpi",
     "tests.fixtures.sif",
+    "tests.fixtures.scheduling",
+    "tests.fixtures.timing",
 ]
