@@ -1,6 +1,7 @@
 """Shared fixtures live in tests/fixtures/, one module per real service the tests start."""
 
 pytest_plugins = [
+    "tests.fixtures.shared",
     "tests.fixtures.mpi",
     "tests.fixtures.docker",
     "tests.fixtures.slurm",
