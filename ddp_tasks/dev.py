@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -30,10 +31,27 @@ def check(c, ranks=2, args=""):
     c.run(shlex.join(local_mpi_command(ranks, "launcher.check", args)), pty=False)
 
 
-@task(help={"args": "extra pytest arguments, e.g. '-m \"not docker\"' or '-k hostlist'"})
-def test(c, args=""):
+def test_workers() -> int:
+    """pytest-xdist workers for `invoke test`: two per core, at least four. Most of the suite's
+    time is waiting (image builds, daemons, timeouts), so even 2 cores keep 4 workers busy."""
+    return max(4, 2 * (os.cpu_count() or 1))
+
+
+def pytest_command(args: str = "", workers: int | None = None) -> list[str]:
+    """The suite on WORKERS workers, tests that share a service kept on one
+    (tests/fixtures/scheduling.py); 0 workers: in this process, as plain pytest."""
+    workers = test_workers() if workers is None else workers
+    spread = ["-n", str(workers), "--dist", "loadgroup"] if workers else []
+    return [sys.executable, "-m", "pytest", *spread, *shlex.split(args)]
+
+
+@task(help={"args": "extra pytest arguments, e.g. '-m \"not docker\"' or '-k hostlist'",
+            "workers": f"parallel pytest workers (default {test_workers()} here: two per core, "
+                       "at least four); 0 runs the tests in one process"})
+def test(c, args="", workers=None):
     """Run the whole test suite (starts the daemons it needs: dockerd, munge, Slurm, registry)."""
-    c.run(f"{shlex.quote(sys.executable)} -m pytest {args}", pty=False)
+    c.run(shlex.join(pytest_command(args, None if workers is None else int(workers))),
+          pty=False)
 
 
 @task

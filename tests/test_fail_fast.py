@@ -22,6 +22,7 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +31,7 @@ import pytest
 from launcher.core.errors import EXIT_RANK_FAILED, EXIT_USER_ERROR
 from tests.fixtures.gpu import nccl_ranks, needs_gpu
 from tests.fixtures.host_mpi import OPENMPI_ROOT_ENV
+from tests.fixtures.left_behind import processes_marked
 from tests.fixtures.mpi import REPO_ROOT, clean_environ, mpiexec_path
 from tests.fixtures.rank_exits import FAILURE_ENDS_WITHIN_S, RECORD, rank_exits
 
@@ -62,7 +64,10 @@ def _train_args(run_dir: Path, data_dir: Path, backend: str, fault: Fault) -> li
 
 
 def _fault_env(fault: Fault) -> dict[str, str]:
-    return {"FAULT_AT": fault.at, "FAULT_RANK": str(fault.rank)}
+    """The fault to raise, and a mark of its own in every rank's environment: the processes of
+    this job, told apart from those of tests running beside it (``_no_rank_left``)."""
+    return {"FAULT_AT": fault.at, "FAULT_RANK": str(fault.rank),
+            "DDP_TEST_MARK": uuid.uuid4().hex}
 
 
 def _mpiexec(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
@@ -164,22 +169,16 @@ def test_one_rank_raises_every_rank_ends_naming_it(request, tmp_path, data_dir, 
         assert result.returncode != 0
     mpi_runs = launcher == "mpiexec" or backend == "mpi"
     _check(result, ended, fault, run_dir, not mpi_runs, mpich_runs=backend == "mpi")
-    _no_rank_left()
+    _no_rank_left(env)
 
 
-def _no_rank_left(within_s: float = 10) -> None:
-    """No rank process is left (killed ones may take a moment to be reaped)."""
+def _no_rank_left(env: dict[str, str], within_s: float = 10) -> None:
+    """No rank process of the job started with ENV is left (killed ones may take a moment to
+    be reaped)."""
     deadline = time.monotonic() + within_s
-    while True:
-        left = subprocess.run(["pgrep", "-f", "tests.faulty_model"], capture_output=True,
-                              text=True)
-        if left.returncode == 1:
-            return
-        if time.monotonic() > deadline:
-            ps = subprocess.run(["ps", "-o", "pid,stat,etime,args", "-p",
-                                 ",".join(left.stdout.split())], capture_output=True, text=True)
-            pytest.fail(f"ranks still running:\n{ps.stdout}")
+    while (left := processes_marked(env["DDP_TEST_MARK"])) and time.monotonic() < deadline:
         time.sleep(0.2)
+    assert not left, f"ranks still running: {left}"
 
 
 @pytest.mark.mpi
@@ -197,7 +196,7 @@ def test_open_mpi_mpirun_aborts_the_world_naming_the_cause(tmp_path, data_dir, o
         cwd=REPO_ROOT))
     assert result.returncode == EXIT_RANK_FAILED, result.stderr
     _check(result, ended, fault, tmp_path / "run", every_rank_recorded=False)
-    _no_rank_left()
+    _no_rank_left(env)
 
 
 def test_a_taken_rendezvous_port_stops_every_rank_at_once(tmp_path):
@@ -247,11 +246,12 @@ def test_nccl_one_rank_raises_every_rank_ends(tmp_path, data_dir, where):
     ranks = nccl_ranks()
     fault = FAULTS[where] if ranks == 2 else Fault(FAULTS[where].at, 0, FAULTS[where].kind)
     run_dir = tmp_path / "run"
+    env = _fault_env(fault)
     result, ended = _launched(lambda: _torchrun(_train_args(run_dir, data_dir, "nccl", fault),
-                                                _fault_env(fault), ranks))
+                                                env, ranks))
     if ranks == 2:
         _check(result, ended, fault, run_dir, every_rank_recorded=True)
     else:
         assert rank_exits(result.stderr)[0][0] == EXIT_RANK_FAILED, result.stderr
         assert f"[rank 0] {fault.kind}: injected fault" in result.stderr, result.stderr
-    _no_rank_left()
+    _no_rank_left(env)
