@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from launcher.api import checkpoint
+from launcher.core.curves import Curves
 from launcher.core.errors import (
     EXIT_INTERRUPTED,
     EXIT_PREEMPTED,
@@ -62,6 +63,8 @@ class Job:
     watch: PreemptionWatch
     #: how many of the newest checkpoints ``save`` keeps
     keep: int = 3
+    #: rank 0's TensorBoard curves in ``status_dir/tensorboard`` (None without a status_dir)
+    curves: Curves | None = None
 
     @property
     def rank(self) -> int:
@@ -101,6 +104,15 @@ class Job:
             print_lines(self.rank, sep.join(map(str, values)), file or sys.stdout)
         elif self.is_main:
             print(*values, sep=sep, file=file, flush=True)
+
+    def log_metrics(self, step: int, **values: float) -> None:
+        """Scalars at ``step`` as TensorBoard curves in ``RUN_DIR/tensorboard`` (rank 0 writes;
+        any rank may call it). Steps logged again after a resume replace the earlier ones."""
+        if self.curves is None:
+            raise LaunchError("job.log_metrics writes to RUN_DIR/tensorboard, and no run "
+                              "directory was given",
+                              hint="start the job with launcher.distributed(status_dir=RUN_DIR)")
+        self.curves.log(step, **values)
 
     # --- preemption ---------------------------------------------------------------------------
 
@@ -214,7 +226,13 @@ def distributed(backend: str = "auto", timeout_s: float = 300.0,
         env = detect_environment()
         with _witnessed(status_dir, env), PreemptionWatch(env.preempt_signal, env.rank) as watch, \
                 process_group(env, backend, timeout_s) as ctx:
-            yield Job(ctx.env, ctx.backend, ctx.device, watch)
+            curves = (None if status_dir is None
+                      else Curves(Path(status_dir) / "tensorboard", ctx.env.is_main))
+            try:
+                yield Job(ctx.env, ctx.backend, ctx.device, watch, curves=curves)
+            finally:
+                if curves is not None:
+                    curves.close()
 
 
 def _witnessed(status_dir: str | Path | None, env: JobEnv) -> AbstractContextManager:

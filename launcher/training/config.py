@@ -109,6 +109,10 @@ class TrainConfig:
     log_every: int = 10
     """log (and record metrics) every N optimizer steps"""
 
+    tensorboard: bool = False
+    """also write the metrics as TensorBoard curves to RUN_DIR/tensorboard (rank 0; each step
+    once across requeues and resumes): tensorboard --logdir RUN_DIR/tensorboard"""
+
     threads: int = 0
     """torch threads per rank on CPU; 0: the cores this process may use divided by the ranks on
     its node (more threads than free cores make every step far slower on a busy machine)"""

@@ -21,6 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DistributedSampler
 
 from launcher.api.job import Job, distributed, exit_statuses
+from launcher.core.curves import Curves
 from launcher.core.errors import EXIT_INTERRUPTED, LaunchError
 from launcher.core.logging_utils import RankLog, parameter_sha256
 from launcher.faults.agreement import agree
@@ -119,7 +120,8 @@ class Trainer:
     def build(cls, config: TrainConfig, job: Job) -> Trainer:
         env, device = job.env, job.device
         with agree():
-            log = _open_log(env, config)
+            # the job's curves are RUN_DIR/tensorboard: launcher.train's status_dir is RUN_DIR
+            log = _open_log(env, config, job.curves if config.tensorboard else None)
         use_cores_fairly(config.threads, env, device)
         if config.deterministic:
             use_deterministic_kernels()
@@ -345,10 +347,10 @@ class Trainer:
         self.log.info(f"epoch {p.epoch} step {p.step}: {text}")
 
 
-def _open_log(env: JobEnv, config: TrainConfig) -> RankLog:
+def _open_log(env: JobEnv, config: TrainConfig, curves: Curves | None) -> RankLog:
     """Rank 0's log and metrics file; a run directory it cannot write is a user error."""
     try:
-        return RankLog(env.is_main, config.metrics_path)
+        return RankLog(env.is_main, config.metrics_path, curves=curves)
     except OSError as exc:
         raise LaunchError(f"cannot write the metrics file {config.metrics_path}: {exc.strerror}",
                           hint="pass a --run-dir (or --metrics) that is a writable directory or "
