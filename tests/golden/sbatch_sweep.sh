@@ -49,7 +49,7 @@ requeue() {
 }
 
 # The nodes of the ranks that ended first without a word (killed, or their node lost), when
-# no rank could say: the ranks' records left in $ranks_dir (launcher.rank_record). A record's
+# no rank could say: the ranks' records left in $ranks_dir (launcher.faults.rank_record). A record's
 # first line is its node; more lines are a traceback (a fatal signal ended the rank); its time
 # is when the rank was last known alive. Silent records from before the first crash, or from
 # 10 s before the last record, are lost (a survivor may crash, or hang until srun's
