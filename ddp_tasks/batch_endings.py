@@ -16,6 +16,7 @@ import shlex
 from launcher.core.errors import EXIT_PEER_LOST, EXIT_PREEMPTED
 from launcher.core.run_files import (
     EXIT_STATUS_FILE,
+    LOGS_DIR,
     LOST_NODES_FILE,
     RANK_RECORDS_DIR,
     SLOW_NODES_FILE,
@@ -166,6 +167,9 @@ elif [ "$status" -ne 0 ] && lost=$(quiet_first) && [ -n "$lost" ]; then
         "first without a word (killed, or the node lost): exit {EXIT_PEER_LOST}" >&2
     status={EXIT_PEER_LOST}
 fi
+# each rank's own output, whole, beside the job log's (launcher.core.rank_output)
+[ "$status" -eq 0 ] || [ ! -d "$run_dir/{LOGS_DIR}" ] ||
+    echo "job {job}: each rank's output: $run_dir/{LOGS_DIR}/rank-R.log" >&2
 case $status in
     {EXIT_PREEMPTED})
         # the ranks caught the signal and saved a checkpoint: requeue, the next run resumes

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from launcher.api import checkpoint
+from launcher.core import rank_output
 from launcher.core.curves import Curves
 from launcher.core.errors import (
     EXIT_INTERRUPTED,
@@ -236,11 +237,14 @@ def distributed(backend: str = "auto", timeout_s: float = 300.0,
 
 
 def _witnessed(status_dir: str | Path | None, env: JobEnv) -> AbstractContextManager:
-    """The run directory's files for the batch script: this rank's record while it runs, and
-    the exit status, written before the record goes."""
+    """The run directory's files: this rank's output (``logs/rank-R.log``), and for the batch
+    script this rank's record while it runs and the exit status, written before the record
+    goes."""
     if status_dir is None:
         return nullcontext()
     files = ExitStack()
+    files.enter_context(rank_output.teed(Path(status_dir), env.rank, env.world_size,
+                                         env.node_name))
     files.enter_context(rank_record.kept(Path(status_dir), env.rank, env.node_name))
     files.enter_context(exit_status.recorded(Path(status_dir), env.rank))
     return files

@@ -20,12 +20,13 @@ from launcher.core.curves import Curves
 class RankLog:
     """Log lines and metrics from rank 0 only; other ranks stay quiet (errors aside)."""
 
-    def __init__(self, is_main: bool, metrics_path: Path | None, stream: TextIO = sys.stdout,
+    def __init__(self, is_main: bool, metrics_path: Path | None, stream: TextIO | None = None,
                  curves: Curves | None = None):
         self.is_main = is_main
-        self.stream = stream
+        # sys.stdout as it is now, not at import: launcher.core.rank_output may have teed it
+        self.stream = stream or sys.stdout
         # a progress bar only where someone watches a terminal; plain lines in job logs
-        self.tty = is_main and stream.isatty()
+        self.tty = is_main and self.stream.isatty()
         self._bar_open = False
         self._metrics = None
         self._curves = curves  # the metrics as TensorBoard curves too (launcher.curves)
