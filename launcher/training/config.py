@@ -15,6 +15,7 @@ from pathlib import Path
 from launcher.core.errors import LaunchError
 from launcher.core.field_docs import field_docs
 from launcher.group.backends import BACKEND_CHOICES
+from launcher.placement import cpus
 from launcher.training.data import DATASETS
 from launcher.training.models import BUILTIN
 
@@ -117,6 +118,11 @@ class TrainConfig:
     """torch threads per rank on CPU; 0: the cores this process may use divided by the ranks on
     its node (more threads than free cores make every step far slower on a busy machine)"""
 
+    bind: str = "auto"
+    """CPU binding of the ranks sharing a node: cores (disjoint CPU sets in NUMA order), numa
+    (whole NUMA nodes), none, or auto (cores when the node has several ranks and a CPU for
+    each); a mask the launcher set (srun --cpu-bind, mpirun --bind-to) is always kept"""
+
     timeout_s: float = 300.0
     """seconds a collective, and each start-up stage (+10 s), may wait on a peer that no
     longer beats before the job ends with exit 3; waits on live peers (a checkpoint write, an
@@ -125,6 +131,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         _choice("--precision", self.precision, PRECISIONS)
         _choice("--sync", self.sync, SYNC_MODES)
+        _choice("--bind", self.bind, cpus.MODES)
         _choice("--backend", self.backend, BACKEND_CHOICES)
         if ":" not in self.dataset:
             _choice("--dataset", self.dataset, DATASETS)
