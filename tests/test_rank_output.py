@@ -13,6 +13,7 @@ import sys
 import pytest
 
 from launcher.core import rank_output
+from tests.fixtures.mpi import run_mpi
 from tests.test_train import train
 
 
@@ -98,3 +99,14 @@ def test_every_rank_keeps_its_output_across_attempts(tmp_path):
     assert re.search(r"^param-sha256 rank=1 ", text_1, re.M)  # unlabelled in its own file
     assert re.search(r"^\[rank 1\] error: cannot import", text_1, re.M)
     assert "step 10/22" not in text_1
+
+
+@pytest.mark.mpi
+def test_check_keeps_each_ranks_output_and_names_the_files(tmp_path):
+    result = run_mpi(2, ["-m", "launcher.check", "--backend", "gloo", "--run-dir",
+                         str(tmp_path)], timeout=180)
+    assert result.returncode == 0, result.output
+    assert result.stdout.rstrip().endswith(
+        f"check passed\neach rank's output: {tmp_path}/logs/rank-R.log"), result.output
+    assert "check passed" in (tmp_path / "logs" / "rank-0.log").read_text()
+    assert (tmp_path / "logs" / "rank-1.log").read_text().startswith("--- ")
