@@ -17,49 +17,37 @@ from tests.fixtures.mpi import run_mpi
 from tests.test_train import train
 
 
-def test_rank_0_passes_through_and_the_file_gets_everything(tmp_path):
+def test_rank_0_passes_through_and_the_file_gets_everything(tmp_path, monkeypatch):
     inner = io.StringIO()
-    sys_stdout = sys.stdout
-    sys.stdout = inner
-    try:
-        with rank_output.teed(tmp_path, rank=0, world_size=2, node="n0") as path:
-            sys.stdout.write("\r[##..] 1/2")  # a progress bar: shown as it comes
-            assert inner.getvalue() == "\r[##..] 1/2"
-            print("done")
-        assert sys.stdout is inner
-    finally:
-        sys.stdout = sys_stdout
+    monkeypatch.setattr(sys, "stdout", inner)
+    with rank_output.teed(tmp_path, rank=0, world_size=2, node="n0") as path:
+        sys.stdout.write("\r[##..] 1/2")  # a progress bar: shown as it comes
+        assert inner.getvalue() == "\r[##..] 1/2"
+        print("done")
+    assert sys.stdout is inner
     assert path == tmp_path / "logs" / "rank-0.log"
     header, body = path.read_bytes().decode().split("\n", 1)
     assert re.fullmatch(r"--- \S+Z rank 0 of 2 on n0, pid \d+ ---", header)
     assert body == "\r[##..] 1/2done\n"
 
 
-def test_other_ranks_lines_are_labelled_whole(tmp_path):
+def test_other_ranks_lines_are_labelled_whole(tmp_path, monkeypatch):
     inner = io.StringIO()
-    sys_stderr = sys.stderr
-    sys.stderr = inner
-    try:
-        with rank_output.teed(tmp_path, rank=3, world_size=4, node="n1"):
-            sys.stderr.write("half ")
-            assert inner.getvalue() == ""  # a line is shown whole, with its label
-            sys.stderr.write("a line\nsecond\nthird")
-    finally:
-        sys.stderr = sys_stderr
+    monkeypatch.setattr(sys, "stderr", inner)
+    with rank_output.teed(tmp_path, rank=3, world_size=4, node="n1"):
+        sys.stderr.write("half ")
+        assert inner.getvalue() == ""  # a line is shown whole, with its label
+        sys.stderr.write("a line\nsecond\nthird")
     assert inner.getvalue() == "[n1:3] half a line\n[n1:3] second\n[n1:3] third\n"
     assert (tmp_path / "logs" / "rank-3.log").read_text().endswith(
         " ---\nhalf a line\nsecond\nthird")
 
 
-def test_a_single_rank_is_not_labelled(tmp_path):
+def test_a_single_rank_is_not_labelled(tmp_path, monkeypatch):
     inner = io.StringIO()
-    sys_stdout = sys.stdout
-    sys.stdout = inner
-    try:
-        with rank_output.teed(tmp_path, rank=0, world_size=1, node="n0"):
-            print("alone")
-    finally:
-        sys.stdout = sys_stdout
+    monkeypatch.setattr(sys, "stdout", inner)
+    with rank_output.teed(tmp_path, rank=0, world_size=1, node="n0"):
+        print("alone")
     assert inner.getvalue() == "alone\n"
 
 

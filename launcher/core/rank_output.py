@@ -8,7 +8,9 @@ a rank other than 0 is shown in the job log as ``[node:rank] line``. Rank 0's li
 they are: they are the job's progress, quoted by the docs and read by people and tests.
 
 Each write goes to both places at once, so a rank that dies leaves nothing unwritten; output
-that C libraries write to the file descriptors (MPI, NCCL) goes to the job log only.
+written to the file descriptors themselves (MPI's and NCCL's messages, faulthandler's
+tracebacks, ``job.print(every_rank=True)``, which labels its lines ``[rank R]``) goes to the
+job log only.
 """
 
 from __future__ import annotations
@@ -63,6 +65,15 @@ class _Tee(io.TextIOBase):
 
     def isatty(self) -> bool:
         return self._inner.isatty()
+
+    def fileno(self) -> int:
+        # what writes to the descriptor itself (faulthandler, job.print's whole lines, a child
+        # process) reaches the job log as before, without a copy or a label
+        return self._inner.fileno()
+
+    @property
+    def buffer(self):
+        return self._inner.buffer
 
     def writable(self) -> bool:
         return True
