@@ -61,6 +61,9 @@ def test_auto_binds_by_cores_keeps_a_launchers_mask_and_leaves_a_lone_rank_alone
     assert (alone.cpus, alone.how, alone.threads) == (ALL, "unbound", 8)
     crowded = decide("auto", frozenset({0, 1}), None, BLOCKS, 2, 3)  # 3 ranks, 2 CPUs
     assert (crowded.how, crowded.threads) == ("unbound", 1)
+    on_gpus = decide("auto", ALL, ALL, BLOCKS, 1, 2, gpu=True)
+    assert (on_gpus.how, decide("cores", ALL, ALL, BLOCKS, 1, 2, gpu=True).cpus) == (
+        "unbound", BLOCKS[1])
     unbound = decide("none", ALL, ALL, BLOCKS, 0, 2)
     assert (unbound.how, unbound.threads, unbound.numa) == ("unbound", 4, (0, 1))
 

@@ -126,12 +126,15 @@ def plan(mode: str, allowed: frozenset[int], nodes: dict[int, frozenset[int]],
 
 
 def decide(mode: str, allowed: frozenset[int], group: frozenset[int] | None,
-           nodes: dict[int, frozenset[int]], local_rank: int, local_size: int) -> Binding:
+           nodes: dict[int, frozenset[int]], local_rank: int, local_size: int,
+           gpu: bool = False) -> Binding:
     """The binding to apply (pure): a mask narrower than the cgroup's (``group``) is kept;
-    ``auto`` binds by cores when the node has several ranks and a CPU for each of them."""
+    ``auto`` binds by cores when the node has several ranks and a CPU for each of them, and
+    not on a GPU host (a GPU's NUMA node is not read here: cores bound far from it would cost
+    more than they gain)."""
     if group is not None and allowed < group:
         return Binding(allowed, numa_of(allowed, nodes), KEPT)
-    if mode == "none" or (mode == "auto" and not 1 < local_size <= len(allowed)):
+    if mode == "none" or (mode == "auto" and (gpu or not 1 < local_size <= len(allowed))):
         return Binding(allowed, numa_of(allowed, nodes), "unbound", local_size)
     if local_size > len(allowed) and mode == "cores":
         raise LaunchError(f"--bind cores: {local_size} ranks on this node and {len(allowed)} "
@@ -149,11 +152,11 @@ def current() -> Binding:
     return Binding(allowed, numa_of(allowed, numa_nodes()), KEPT if kept else "unbound")
 
 
-def bind(mode: str, local_rank: int, local_size: int) -> Binding:
+def bind(mode: str, local_rank: int, local_size: int, gpu: bool = False) -> Binding:
     """Decide and apply to every thread of this process (``sched_setaffinity`` of one thread
     reaches only the threads it starts later; MPI's, the heartbeat's exist already)."""
     allowed = frozenset(os.sched_getaffinity(0))
-    binding = decide(mode, allowed, cgroup_cpus(), numa_nodes(), local_rank, local_size)
+    binding = decide(mode, allowed, cgroup_cpus(), numa_nodes(), local_rank, local_size, gpu)
     if binding.how.startswith("bound") and binding.cpus != allowed:
         for task in Path("/proc/self/task").iterdir():
             try:

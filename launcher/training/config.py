@@ -120,7 +120,7 @@ class TrainConfig:
 
     bind: str = "auto"
     """CPU binding of the ranks sharing a node: cores (disjoint CPU sets in NUMA order), numa
-    (whole NUMA nodes), none, or auto (cores when the node has several ranks and a CPU for
+    (whole NUMA nodes), none, or auto (cores when a CPU node has several ranks and a CPU for
     each); a mask the launcher set (srun --cpu-bind, mpirun --bind-to) is always kept"""
 
     timeout_s: float = 300.0

@@ -14,8 +14,8 @@ from launcher.placement.env import JobEnv
 def use_cores_fairly(threads: int, env: JobEnv, device: torch.device, bind: str) -> Binding:
     """Bind this rank's CPUs (``launcher.placement.cpus``), then give torch as many threads as
     it has CPUs of its own: ranks sharing a node would otherwise each start one thread per core
-    and oversubscribe it."""
-    binding = cpus.bind(bind, env.local_rank, env.local_world_size)
+    and oversubscribe it. A LaunchError for a binding that cannot be (call it inside agree)."""
+    binding = cpus.bind(bind, env.local_rank, env.local_world_size, gpu=device.type == "cuda")
     if device.type == "cpu":
         torch.set_num_threads(threads or binding.threads)
     return binding

@@ -122,7 +122,7 @@ class Trainer:
         with agree():
             # the job's curves are RUN_DIR/tensorboard: launcher.train's status_dir is RUN_DIR
             log = _open_log(env, config, job.curves if config.tensorboard else None)
-        binding = use_cores_fairly(config.threads, env, device, config.bind)
+            binding = use_cores_fairly(config.threads, env, device, config.bind)
         if binding.how != "unbound":  # one line for the job: rank 0's; the others alike
             log.info(f"cores: {binding.how} (rank 0: {binding.describe()})")
         if config.deterministic:
