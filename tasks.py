@@ -6,9 +6,9 @@ so that tests can compare it exactly (golden files).
 
 from invoke import Collection
 
-from ddp_tasks import cluster, dev, image, launch, lock, sif_build
+from ddp_tasks import cluster, dev, image, launch, lock, runs, sif_build
 
 ns = Collection()
-for task in dev.TASKS + image.TASKS + sif_build.TASKS + lock.TASKS + launch.TASKS:
+for task in dev.TASKS + image.TASKS + sif_build.TASKS + lock.TASKS + launch.TASKS + runs.TASKS:
     ns.add_task(task)
 ns.add_collection(cluster.ns)

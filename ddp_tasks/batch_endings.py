@@ -16,6 +16,7 @@ import shlex
 from launcher.core.errors import EXIT_PEER_LOST, EXIT_PREEMPTED
 from launcher.core.run_files import (
     EXIT_STATUS_FILE,
+    LOGS_DIR,
     LOST_NODES_FILE,
     RANK_RECORDS_DIR,
     SLOW_NODES_FILE,
@@ -28,20 +29,25 @@ ATTEMPTS_LOG = "attempts.log"
 #: where the preflight writes the slow nodes, as the script names it
 SLOW_NODES = f'"$run_dir/{SLOW_NODES_FILE}"'
 
-_REQUEUE = """\
+#: the job as scontrol names it, for a single job; an array task's is sweep.TASK_JOB in $job
+JOB = "$SLURM_JOB_ID"
+
+
+def _requeue(job: str) -> str:
+    return f"""\
 # Requeue this job: the next attempt resumes from the last checkpoint. scontrol requeue ends
 # this script with SIGTERM (SIGKILL after KillWait): ignored, so the lines after it still run.
-requeue() {
+requeue() {{
     trap '' TERM
-    scontrol requeue "$SLURM_JOB_ID"
-}
+    scontrol requeue "{job}"
+}}
 """
 
 
 def plain_ending() -> str:
     """For a program that writes no status file: 75 requeues, every other status passes on."""
     return f"""\
-{_REQUEUE}
+{_requeue(JOB)}
 # {EXIT_PREEMPTED}: the ranks caught the signal and saved a checkpoint. Requeue: the next run
 # resumes from it. Exit with scontrol's status, so the job counts as failed only when the
 # requeue itself failed. Every other status is passed on.
@@ -54,12 +60,19 @@ exit "$status"
 """
 
 
-def train_prologue(run_dir: str, max_restarts: int) -> str:
-    """The run directory's files, the attempt log and the requeue functions."""
-    files = "\n".join(f"{name}={shlex.quote(f'{run_dir}/{file}')}" for name, file in (
-        ("status_file", EXIT_STATUS_FILE), ("lost_file", LOST_NODES_FILE),
-        ("attempts_log", ATTEMPTS_LOG), ("ranks_dir", RANK_RECORDS_DIR)))
-    return f"""run_dir={shlex.quote(run_dir)}
+def train_prologue(run_dir: str, max_restarts: int, task: bool = False) -> str:
+    """The run directory's files, the attempt log and the requeue functions. A ``task`` of a
+    sweep runs in ``RUN_DIR/$config`` and is ``$job`` (``sweep.task_lines`` sets both)."""
+    job = "$job" if task else JOB
+    named = (("status_file", EXIT_STATUS_FILE), ("lost_file", LOST_NODES_FILE),
+             ("attempts_log", ATTEMPTS_LOG), ("ranks_dir", RANK_RECORDS_DIR))
+    if task:
+        files = "\n".join(f'{name}="$run_dir/{file}"' for name, file in named)
+        run_dir_line = f'run_dir={shlex.quote(run_dir)}/"$config"'
+    else:
+        files = "\n".join(f"{name}={shlex.quote(f'{run_dir}/{file}')}" for name, file in named)
+        run_dir_line = f"run_dir={shlex.quote(run_dir)}"
+    return f"""{run_dir_line}
 {files}
 # requeues after a lost or slow node, per job (preemptions are not counted)
 max_restarts={max_restarts}
@@ -70,11 +83,11 @@ rm -rf "$status_file" "$lost_file" "$ranks_dir"
 # attempt, where, what. Not made here: a run directory missing on this host is another path
 # inside the container, and this one would be a stray.
 log_attempt() {{
-    [ -d "$run_dir" ] && echo "$(date -u +%FT%TZ) job $SLURM_JOB_ID" \\
+    [ -d "$run_dir" ] && echo "$(date -u +%FT%TZ) job {job}" \\
         "attempt $((SLURM_RESTART_COUNT + 1)) on $SLURM_JOB_NODELIST: $*" >> "$attempts_log"
 }}
 
-{_REQUEUE}
+{_requeue(job)}
 # The nodes of the ranks that ended first without a word (killed, or their node lost), when
 # no rank could say: the ranks' records left in $ranks_dir (launcher.faults.rank_record). A record's
 # first line is its node; more lines are a traceback (a fatal signal ended the rank); its time
@@ -86,7 +99,7 @@ quiet_first() {{
     find "$ranks_dir" -type f -printf '%T@ %p\\n' 2> /dev/null | while read -r mtime path; do
         lines=$(wc -l < "$path")
         node=$(head -n 1 "$path")
-        [ "$lines" -le 1 ] || echo "job $SLURM_JOB_ID: rank ${{path##*/}} on $node:" \\
+        [ "$lines" -le 1 ] || echo "job {job}: rank ${{path##*/}} on $node:" \\
             "$(sed -n 2p "$path") (traceback: $path)" >&2
         echo "$mtime $lines $node"
     done | awk -v gap={2 * TOUCH_S:g} '
@@ -103,20 +116,20 @@ quiet_first() {{
 # log that cannot be written means no requeue).
 requeue_without() {{
     local restarts excluded
-    restarts=$(grep -c "^[^ ]* job $SLURM_JOB_ID .*: restart [0-9]* of " "$attempts_log" \\
+    restarts=$(grep -c "^[^ ]* job {job} .*: restart [0-9]* of " "$attempts_log" \\
         2> /dev/null)
     if [ "${{restarts:-0}}" -ge "$max_restarts" ]; then
         log_attempt "$2; all $max_restarts restarts used"
         return 1
     fi
     log_attempt "$2: restart $((restarts + 1)) of $max_restarts${{1:+ without $1}}" || return 1
-    echo "job $SLURM_JOB_ID: $2: requeueing${{1:+ without $1}}" >&2
-    [ -z "$1" ] || excluded=$(scontrol show job "$SLURM_JOB_ID" | grep -o 'ExcNodeList=[^ ]*')
+    echo "job {job}: $2: requeueing${{1:+ without $1}}" >&2
+    [ -z "$1" ] || excluded=$(scontrol show job "{job}" | grep -o 'ExcNodeList=[^ ]*')
     excluded=${{excluded#ExcNodeList=}}
     [ "$excluded" != "(null)" ] || excluded=
     requeue || exit
     # only a pending job takes a new ExcNodeList: after the requeue, before it starts again
-    [ -z "$1" ] || scontrol update JobId="$SLURM_JOB_ID" ExcNodeList="${{excluded:+$excluded,}}$1"
+    [ -z "$1" ] || scontrol update JobId="{job}" ExcNodeList="${{excluded:+$excluded,}}$1"
     exit
 }}
 
@@ -140,26 +153,29 @@ fi
 """
 
 
-def train_ending() -> str:
-    """What the script does with the step's ``status``."""
+def train_ending(job: str = JOB) -> str:
+    """What the script does with the step's ``status``; ``job``: as in ``train_prologue``."""
     return f"""\
 # A rank that knows how the job ended wrote it to the run directory: it decides, since
 # torchrun exits 1 and srun 128 + N (a rank a signal ended) whatever the ranks knew.
 if [ "$status" -ne 0 ] && [ -s "$status_file" ]; then
     read -r status reason < "$status_file"
-    echo "job $SLURM_JOB_ID: the ranks report exit $status: $reason" >&2
+    echo "job {job}: the ranks report exit $status: $reason" >&2
     lost=$(paste -sd, "$lost_file" 2> /dev/null)
 elif [ "$status" -ne 0 ] && lost=$(quiet_first) && [ -n "$lost" ]; then
-    echo "job $SLURM_JOB_ID: exit $status and no rank said why; the ranks on $lost ended" \\
+    echo "job {job}: exit $status and no rank said why; the ranks on $lost ended" \\
         "first without a word (killed, or the node lost): exit {EXIT_PEER_LOST}" >&2
     status={EXIT_PEER_LOST}
 fi
+# each rank's own output, whole, beside the job log's (launcher.core.rank_output)
+[ "$status" -eq 0 ] || [ ! -d "$run_dir/{LOGS_DIR}" ] ||
+    echo "job {job}: each rank's output: $run_dir/{LOGS_DIR}/rank-R.log" >&2
 case $status in
     {EXIT_PREEMPTED})
         # the ranks caught the signal and saved a checkpoint: requeue, the next run resumes
         # from it. Exit with scontrol's status: the job fails only when the requeue failed.
         log_attempt "exit {EXIT_PREEMPTED} (preempted): requeue"
-        echo "job $SLURM_JOB_ID preempted (exit {EXIT_PREEMPTED}): requeueing" >&2
+        echo "job {job} preempted (exit {EXIT_PREEMPTED}): requeueing" >&2
         requeue
         exit $?
         ;;

@@ -9,7 +9,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, replace
 
+from ddp_tasks import sweep as sweeps
 from ddp_tasks.batch_endings import (
+    JOB,
     SLOW_NODES,
     TRAIN_RUN_DIR,
     plain_ending,
@@ -19,6 +21,7 @@ from ddp_tasks.batch_endings import (
 )
 from ddp_tasks.commands import launch_segments, render
 from ddp_tasks.launch_spec import Launch
+from ddp_tasks.sweep import Sweep
 from launcher.core.defaults import PREEMPT_SIGNAL
 from launcher.core.errors import LaunchError
 from launcher.core.run_files import EXIT_STATUS_FILE
@@ -48,7 +51,8 @@ class Batch:
     signal: str = PREEMPT_SIGNAL
     #: send the preemption signal this many seconds before the limit
     signal_seconds: int = 60
-    #: Slurm output file (%x: job name, %j: job id); appended to on requeue
+    #: Slurm output file (%x: job name, %j: job id); appended to on requeue (default %x-%j.out;
+    #: a sweep's: %x-%A_%a.out, %A the array job, %a the task)
     output: str = "%x-%j.out"
     #: more directives as sbatch options without "#SBATCH": "--mem=64G", "--qos=high"
     directives: tuple[str, ...] = ()
@@ -65,13 +69,16 @@ class Batch:
     preflight: bool = False
 
 
-def batch_script(launch: Launch, batch: Batch) -> str:
+def batch_script(launch: Launch, batch: Batch, sweep: Sweep | None = None) -> str:
     """The sbatch script: srun the program, requeue the job when it was preempted, and when a
-    node was lost requeue it without that node."""
-    _check(launch, batch)
-    header = "\n".join(f"#SBATCH {d}" for d in _directives(launch, batch))
+    node was lost requeue it without that node. With a ``sweep``, an array job: each task
+    trains one configuration in its own run directory and is requeued alone."""
+    _check(launch, batch, sweep)
+    header = "\n".join(f"#SBATCH {d}" for d in _directives(launch, batch, sweep))
     setup = "".join(f"{line}\n" for line in batch.setup)
     ranged = batch.max_nodes > launch.nodes
+    if sweep:
+        launch = replace(launch, args=(*launch.args, sweeps.ARGS_TOKEN))
     step = _step(launch, ranged)
     if not _trains(launch):
         body = f"{step}\nstatus=$?\n{plain_ending()}"
@@ -82,8 +89,12 @@ def batch_script(launch: Launch, batch: Batch) -> str:
             check = replace(launch, module="launcher.check",
                             args=("--preflight", "--slow-nodes", "__SLOW_NODES__"))
             preflight = preflight_lines(_step(check, ranged).replace("__SLOW_NODES__", SLOW_NODES))
-        body = (train_prologue(run_dir, batch.max_restarts) + preflight
-                + f"{step}\nstatus=$?\n" + train_ending())
+        task = ""
+        if sweep:
+            task = sweeps.task_lines(sweep, run_dir)
+            step = _replace_once(step, sweeps.ARGS_TOKEN, sweeps.TASK_ARGS)
+        body = (task + train_prologue(run_dir, batch.max_restarts, task=bool(sweep)) + preflight
+                + f"{step}\nstatus=$?\n" + train_ending("$job" if sweep else JOB))
     return f"""#!/bin/bash
 # Written by `invoke sbatch`; docs/launching.md explains each line.
 {header}
@@ -101,7 +112,7 @@ def node_range(text: str) -> tuple[int, int]:
     return int(match[1]), int(match[2] or 0)
 
 
-def _check(launch: Launch, batch: Batch) -> None:
+def _check(launch: Launch, batch: Batch, sweep: Sweep | None) -> None:
     if launch.launcher != "srun":
         raise LaunchError("a batch script launches with srun", hint="build it with --launcher srun")
     if batch.signal_seconds < 1:
@@ -119,10 +130,15 @@ def _check(launch: Launch, batch: Batch) -> None:
     if batch.preflight and not _trains(launch):
         raise LaunchError(f"--preflight runs before launcher.train, not --module {launch.module}",
                           hint="leave --preflight out, or run launcher.train")
+    if sweep and not _trains(launch):
+        raise LaunchError(f"--sweep sets flags of launcher.train, not --module {launch.module}",
+                          hint="leave --sweep out, or run launcher.train")
 
 
-def _directives(launch: Launch, batch: Batch) -> list[str]:
+def _directives(launch: Launch, batch: Batch, sweep: Sweep | None) -> list[str]:
     directives = [f"--job-name={batch.job_name}"]
+    if sweep:
+        directives.append(f"--array={sweep.array()}")
     if batch.max_nodes > launch.nodes:
         # with --ntasks-per-node Slurm counts the tasks from the minimum and starts on the
         # fewest nodes; with the CPUs per node instead it takes as many as it can (22.05)
@@ -140,12 +156,15 @@ def _directives(launch: Launch, batch: Batch) -> list[str]:
     if batch.account:
         directives.append(f"--account={batch.account}")
     directives += [_directive(item) for item in batch.directives]
+    output = batch.output
+    if sweep and output == Batch.output:
+        output = sweeps.TASK_OUTPUT  # each task its own file
     directives += [
         # no "B:": the signal goes to the ranks, which checkpoint and exit 75
         f"--signal={parse_signal(batch.signal, '--signal')}@{batch.signal_seconds}",
         "--requeue",
         "--open-mode=append",
-        f"--output={batch.output}",
+        f"--output={output}",
     ]
     for directive in directives:
         if _DIRECTIVE_UNSAFE.search(directive):
@@ -161,11 +180,16 @@ def _step(launch: Launch, ranged: bool) -> str:
     line = render(launch_segments(launch))
     if not ranged:
         return line
-    fixed = f"srun --nodes {launch.nodes} "
-    if line.count(fixed) != 1:  # a launcher that no longer starts this way: fail loudly
-        raise LaunchError(f"cannot find {fixed.strip()!r} in the step to span a node range",
-                          hint="leave the node range out (a fixed --nodes)")
-    return line.replace(fixed, f"srun --nodes {_ALLOCATED_NODES} ")
+    return _replace_once(line, f"srun --nodes {launch.nodes} ", f"srun --nodes {_ALLOCATED_NODES} ")
+
+
+def _replace_once(line: str, old: str, new: str) -> str:
+    """``old`` in the rendered step replaced; a launcher or runtime that no longer renders it
+    as one plain word fails loudly rather than writing a script that does something else."""
+    if line.count(old) != 1:
+        raise LaunchError(f"cannot find {old.strip()!r} once in the step {line!r}",
+                          hint="leave the node range or the sweep out, and report this")
+    return line.replace(old, new)
 
 
 def _trains(launch: Launch) -> bool:

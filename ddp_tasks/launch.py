@@ -16,7 +16,7 @@ from pathlib import Path
 
 from invoke.exceptions import Exit
 
-from ddp_tasks import batch_script, commands, sif_file, sif_mount
+from ddp_tasks import batch_script, commands, sif_file, sif_mount, sweep
 from ddp_tasks.batch_script import Batch
 from ddp_tasks.launch_spec import Launch
 from ddp_tasks.task_errors import user_errors
@@ -39,6 +39,10 @@ NOTES = {
     "script": "where to write the batch script (default JOB_NAME.sbatch)",
     "submit": "also run sbatch and print the job id",
     "directive": "another #SBATCH option, e.g. mem=64G or --qos=high",
+    "sweep": "a launcher.train flag and its values, e.g. lr=0.1,0.05: with several, every "
+    "combination is one task of a Slurm array job, in RUN_DIR/lr=0.1,...",
+    "sweep_file": "a file of --sweep lines (NAME=V1,V2; # comments)",
+    "throttle": "for a sweep: at most this many tasks at once (--array=0-N%THROTTLE)",
 }
 #: task parameters named otherwise than their field
 RENAMED = {"prefix": "container_prefix", "bind": "binds", "directive": "directives"}
@@ -149,6 +153,20 @@ def run(c, nodes=LAUNCH.nodes, procs_per_node=LAUNCH.procs_per_node, launcher=LA
         raise Exit(code=result.exited)
 
 
+def _sweep(specs, file: str, throttle: int) -> sweep.Sweep | None:
+    """The sweep of the flags and the file, or None for a single job."""
+    if not specs and not file:
+        if throttle:
+            raise LaunchError("--throttle limits the tasks of a sweep", hint="add --sweep")
+        return None
+    try:
+        text = Path(file).read_text() if file else ""
+    except OSError as exc:
+        raise LaunchError(f"cannot read --sweep-file {file}: {exc.strerror}",
+                          hint="pass a file of NAME=V1,V2 lines") from None
+    return sweep.parse_sweep(specs or (), text, throttle)
+
+
 #: what --nodes means for a batch job, beside the Launch field's count
 NODES_RANGE = ("a count, or MIN-MAX (2-3): the job starts on as many as are free, and a "
                "requeue after a lost node may continue on fewer")
@@ -165,17 +183,19 @@ SBATCH_NOTES = {
 
 
 @documented(Launch, Batch, notes={**NOTES, **SBATCH_NOTES, "nodes": NODES_RANGE}, renamed=RENAMED,
-            auto_shortflags=False, iterable=["bind", "env", "directive", "setup"])
+            auto_shortflags=False, iterable=["bind", "env", "directive", "setup", "sweep"])
 def sbatch(c, nodes=str(LAUNCH.nodes), procs_per_node=LAUNCH.procs_per_node, runtime=LAUNCH.runtime,
            pmi=LAUNCH.pmi, image=LAUNCH.image, gpus_per_node=LAUNCH.gpus_per_node,
            cpus_per_task=LAUNCH.cpus_per_task, bind=None, module=LAUNCH.module, args="",
            env=None, signal="", signal_seconds=BATCH.signal_seconds, omp_threads=0, ifname="",
            job_name=BATCH.job_name, time=BATCH.time, partition=BATCH.partition,
            account=BATCH.account, output=BATCH.output, directive=None, setup=None, script="",
-           max_restarts=BATCH.max_restarts, preflight=BATCH.preflight, submit=False):
+           max_restarts=BATCH.max_restarts, preflight=BATCH.preflight, sweep=None,
+           sweep_file="", throttle=0, submit=False):
     """Write a Slurm batch script that runs MODULE with srun and requeues itself on preemption.
 
     launcher.train gets `--resume auto` so a requeued job continues from its last checkpoint.
+    With --sweep, one array job: a task per configuration, each requeued alone.
     """
     with user_errors():
         nodes, max_nodes = batch_script.node_range(nodes)
@@ -198,7 +218,7 @@ def sbatch(c, nodes=str(LAUNCH.nodes), procs_per_node=LAUNCH.procs_per_node, run
             signal_seconds=signal_seconds, output=output, directives=tuple(directive or ()),
             setup=tuple(setup or ()), max_restarts=max_restarts, max_nodes=max_nodes,
             preflight=preflight,
-        ))
+        ), _sweep(sweep, sweep_file, throttle))
     path = Path(script or f"{job_name}.sbatch")
     path.write_text(text)
     path.chmod(0o755)

@@ -149,3 +149,16 @@ def test_the_rank_side_benchmarks_start_as_modules_across_compose_nodes(compose_
     [(label, _)] = variants = tuning.VARIANTS[:1]
     result = tuning.compare(launch, script, variants, 1, 0.02)
     assert len(result["busGBps"][label]) == 8 and min(result["busGBps"][label].values()) > 0
+
+
+def test_binding_benchmark_compares_none_and_auto(tmp_path):
+    out = tmp_path / "binding.json"
+    result = subprocess.run([sys.executable, "-m", "benchmarks.binding", "--rounds", "1",
+                             "--steps", "6", "--json", str(out)], capture_output=True,
+                            text=True, env=clean_environ(), cwd=REPO_ROOT, timeout=300)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(out.read_text())
+    assert set(report["median"]) == {"none", "auto"} and all(
+        rate > 0 for rate in report["median"].values())
+    assert result.stdout.splitlines()[0].split() == ["--bind", "samples/s", "vs", "none",
+                                                     "rounds"]

@@ -117,7 +117,7 @@ def _assert_completed(cluster, job_id: int, tmp_path: Path) -> str:
     assert evals[-1]["test_accuracy"] >= 0.95, evals[-1]
     assert re.search(r"^epoch 3 step \d+: test_loss \S+ test_accuracy 0\.9[5-9]", output,
                      re.M), output
-    hashes = re.findall(r"^param-sha256 rank=(\d+) ([0-9a-f]{64})$", output, re.M)
+    hashes = re.findall(r"^(?:\[\S+\] )?param-sha256 rank=(\d+) ([0-9a-f]{64})$", output, re.M)
     final = dict(hashes[-2:])  # the last attempt's two ranks
     assert sorted(final) == ["0", "1"] and len(set(final.values())) == 1, output
     return output

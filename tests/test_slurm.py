@@ -126,6 +126,6 @@ def test_train_ends_with_identical_weights(slurm_cluster, tmp_path):
          "--run-dir", str(tmp_path / "run"), "--data-dir", str(tmp_path / "data")],
         timeout=TORCH_TIMEOUT, cwd=REPO_ROOT)
     out = _ok(result)
-    hashes = dict(re.findall(r"^param-sha256 rank=(\d+) ([0-9a-f]{64})$", out, re.M))
+    hashes = dict(re.findall(r"^(?:\[\S+\] )?param-sha256 rank=(\d+) ([0-9a-f]{64})$", out, re.M))
     assert sorted(hashes) == ["0", "1"], out
     assert hashes["0"] == hashes["1"], out

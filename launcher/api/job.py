@@ -34,6 +34,8 @@ import torch
 import torch.distributed as dist
 
 from launcher.api import checkpoint
+from launcher.core import rank_output
+from launcher.core.curves import Curves
 from launcher.core.defaults import TIMEOUT_S
 from launcher.core.errors import (
     EXIT_PREEMPTED,
@@ -60,6 +62,8 @@ class Job:
     watch: PreemptionWatch
     #: how many of the newest checkpoints ``save`` keeps
     keep: int = 3
+    #: rank 0's TensorBoard curves in ``status_dir/tensorboard`` (None without a status_dir)
+    curves: Curves | None = None
 
     @property
     def rank(self) -> int:
@@ -99,6 +103,15 @@ class Job:
             print_lines(self.rank, sep.join(map(str, values)), file or sys.stdout)
         elif self.is_main:
             print(*values, sep=sep, file=file, flush=True)
+
+    def log_metrics(self, step: int, **values: float) -> None:
+        """Scalars at ``step`` as TensorBoard curves in ``RUN_DIR/tensorboard`` (rank 0 writes;
+        any rank may call it). Steps logged again after a resume replace the earlier ones."""
+        if self.curves is None:
+            raise LaunchError("job.log_metrics writes to RUN_DIR/tensorboard, and no run "
+                              "directory was given",
+                              hint="start the job with launcher.distributed(status_dir=RUN_DIR)")
+        self.curves.log(step, **values)
 
     # --- preemption ---------------------------------------------------------------------------
 
@@ -219,15 +232,24 @@ def distributed(backend: str = "auto", timeout_s: float = TIMEOUT_S,
         env = detect_environment()
         with _witnessed(status_dir, env), PreemptionWatch(env.preempt_signal, env.rank) as watch, \
                 process_group(env, backend, timeout_s) as ctx:
-            yield Job(ctx.env, ctx.backend, ctx.device, watch)
+            curves = (None if status_dir is None
+                      else Curves(Path(status_dir) / "tensorboard", ctx.env.is_main))
+            try:
+                yield Job(ctx.env, ctx.backend, ctx.device, watch, curves=curves)
+            finally:
+                if curves is not None:
+                    curves.close()
 
 
 def _witnessed(status_dir: str | Path | None, env: JobEnv) -> AbstractContextManager:
-    """The run directory's files for the batch script: this rank's record while it runs, and
-    the exit status, written before the record goes."""
+    """The run directory's files: this rank's output (``logs/rank-R.log``), and for the batch
+    script this rank's record while it runs and the exit status, written before the record
+    goes."""
     if status_dir is None:
         return nullcontext()
     files = ExitStack()
+    files.enter_context(rank_output.teed(Path(status_dir), env.rank, env.world_size,
+                                         env.node_name))
     files.enter_context(rank_record.kept(Path(status_dir), env.rank, env.node_name))
     files.enter_context(exit_status.recorded(Path(status_dir), env.rank))
     return files

@@ -15,17 +15,22 @@ from typing import TextIO
 import torch
 from torch import nn
 
+from launcher.core.curves import Curves
+
 
 class RankLog:
     """Log lines and metrics from rank 0 only; other ranks stay quiet (errors aside)."""
 
-    def __init__(self, is_main: bool, metrics_path: Path | None, stream: TextIO = sys.stdout):
+    def __init__(self, is_main: bool, metrics_path: Path | None, stream: TextIO | None = None,
+                 curves: Curves | None = None):
         self.is_main = is_main
-        self.stream = stream
+        # sys.stdout as it is now, not at import: launcher.core.rank_output may have teed it
+        self.stream = stream or sys.stdout
         # a progress bar only where someone watches a terminal; plain lines in job logs
-        self.tty = is_main and stream.isatty()
+        self.tty = is_main and self.stream.isatty()
         self._bar_open = False
         self._metrics = None
+        self._curves = curves  # the metrics as TensorBoard curves too (launcher.curves)
         # opened at the first record: a run that ends in a user error leaves no empty file,
         # but a path that cannot be written is still found here (OSError), before training
         self._metrics_path = metrics_path if is_main else None
@@ -67,12 +72,16 @@ class RankLog:
         if self._metrics is not None:
             self._metrics.write(json.dumps({"time": round(time.time(), 3), **record}) + "\n")
             self._metrics.flush()
+        if self._curves is not None:
+            self._curves.log_record(record)
 
     def close(self) -> None:
         self._end_bar()
         if self._metrics is not None:
             self._metrics.close()
             self._metrics = None
+        if self._curves is not None:
+            self._curves.close()
 
     def _end_bar(self) -> None:
         if self._bar_open:

@@ -12,3 +12,5 @@ SLOW_NODES_FILE = "slow-nodes"
 #: one file per running rank, left behind by a rank that ended without Python seeing it
 #: (``launcher.faults.rank_record``): killed, its node lost, or crashed by a fatal signal
 RANK_RECORDS_DIR = "ranks"
+#: every rank's stdout and stderr, ``rank-R.log`` each (``launcher.core.rank_output``)
+LOGS_DIR = "logs"

@@ -19,12 +19,15 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from launcher.core import rank_output
 from launcher.core.errors import LaunchError
 from launcher.diagnostics import preflight
 from launcher.diagnostics.rank_report import (
@@ -149,6 +152,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "and node pair, name the slow nodes (launcher.diagnostics.preflight)")
     parser.add_argument("--slow-nodes", type=Path, metavar="FILE", help="with --preflight: "
                         "rank 0 writes their names here, one per line (empty: all fine)")
+    parser.add_argument("--run-dir", type=Path, metavar="DIR", help="also keep each rank's "
+                        "output in DIR/logs/rank-R.log (as launcher.train does in its run "
+                        "directory)")
     return parser.parse_args(argv)
 
 
@@ -161,8 +167,23 @@ def main(argv: list[str] | None = None) -> int:
         if unknown or not backends:
             raise LaunchError(f"unknown backend {', '.join(unknown) or '(none)'} in --backend",
                               hint=f"use one or more of: {', '.join(BACKEND_CHOICES)}")
-        if args.preflight or args.slow_nodes:
-            return preflight.run(env, backends, args.timeout, args.slow_nodes, args.preflight)
-        return run_check(env, backends, args.timeout, args.json)
+        with _teed(args.run_dir, env):
+            if args.preflight or args.slow_nodes:
+                return preflight.run(env, backends, args.timeout, args.slow_nodes,
+                                     args.preflight)
+            return run_check(env, backends, args.timeout, args.json)
+
+
+@contextmanager
+def _teed(run_dir: Path | None, env: JobEnv) -> Iterator[None]:
+    """Each rank's output also in RUN_DIR/logs (``launcher.core.rank_output``); rank 0 ends
+    by naming the files."""
+    if run_dir is None:
+        yield
+        return
+    with rank_output.teed(run_dir, env.rank, env.world_size, env.node_name):
+        yield
+        if env.is_main:
+            print(f"each rank's output: {rank_output.log_path(run_dir, 'R')}", flush=True)
 
 

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from launcher.core.errors import LaunchError
 from launcher.mpi import library as mpi_library
+from launcher.placement import cpus as cpu_binding
 from launcher.placement import network, shm
 from launcher.placement.env import JobEnv, planned_network
 
@@ -58,6 +59,8 @@ class RankReport:
     shm_mib: int  # /dev/shm of this rank's node
     memlock: str  # its locked-memory limit: "unlimited" or KiB
     warnings: tuple[str, ...]  # this node's limits below what its ranks need
+    cpus: str = "-"  # the CPUs this rank may run on (a cpulist) and their NUMA nodes
+    numa: str = "-"
 
 
 def collect_report(env: JobEnv, device: torch.device) -> RankReport:
@@ -71,6 +74,7 @@ def collect_report(env: JobEnv, device: torch.device) -> RankReport:
     if torch.version.cuda and hasattr(torch.cuda, "nccl"):
         nccl = ".".join(str(part) for part in torch.cuda.nccl.version())
     memory = shm.read_node_memory()
+    binding = cpu_binding.current()
     return RankReport(
         rank=env.rank,
         local_rank=env.local_rank,
@@ -94,6 +98,8 @@ def collect_report(env: JobEnv, device: torch.device) -> RankReport:
         shm_mib=memory.shm_size // shm.MIB,
         memlock="unlimited" if memory.memlock == shm.UNLIMITED else str(memory.memlock // 1024),
         warnings=tuple(shm.warnings(env.local_world_size, memory, network.has_rdma())),
+        cpus=cpu_binding.format_cpulist(binding.cpus),
+        numa=",".join(map(str, binding.numa)) or "-",
     )
 
 
@@ -155,7 +161,8 @@ def _ranges(ranks: list[int]) -> str:
 
 
 def format_table(reports: list[RankReport]) -> str:
-    columns = ("rank", "local_rank", "node_rank", "host", "launcher", "device", "interface",
+    columns = ("rank", "local_rank", "node_rank", "host", "launcher", "device", "cpus", "numa",
+               "interface",
                "shm_mib", "memlock", "pmi", "mpi_abi", "python_version", "torch", "mpi4py",
                "mpi_library")
     rows = [[str(getattr(r, c)) for c in columns] for r in reports]
@@ -169,9 +176,28 @@ def format_table(reports: list[RankReport]) -> str:
 
 
 def node_warnings(reports: list[RankReport]) -> list[str]:
-    """``WARNING host: ...`` once per node and limit."""
+    """``WARNING host: ...`` once per node and limit, and per node whose ranks share CPUs."""
     lines = {f"WARNING {r.host}: {w}": None for r in reports for w in r.warnings}
-    return list(lines)
+    return [*lines, *cpu_overlaps(reports)]
+
+
+def cpu_overlaps(reports: list[RankReport]) -> list[str]:
+    """One line per node where ranks' CPU sets overlap, naming those ranks and CPUs."""
+    by_cpu: dict[tuple[str, int], list[int]] = {}
+    for report in reports:
+        if report.cpus != "-":
+            for cpu in cpu_binding.parse_cpulist(report.cpus):
+                by_cpu.setdefault((report.host, cpu), []).append(report.rank)
+    shared: dict[str, tuple[set[int], set[int]]] = {}
+    for (host, cpu), ranks in by_cpu.items():
+        if len(ranks) > 1:
+            ranks_on, cpus_on = shared.setdefault(host, (set(), set()))
+            ranks_on.update(ranks)
+            cpus_on.add(cpu)
+    return [f"WARNING {host}: ranks {_ranges(sorted(ranks))} share CPUs "
+            f"{cpu_binding.format_cpulist(cpus)}: their threads contend (launcher.train "
+            "--bind auto gives each its own; or srun --cpu-bind=cores, mpirun --bind-to core)"
+            for host, (ranks, cpus) in sorted(shared.items())]
 
 
 def gather(obj: object) -> list:

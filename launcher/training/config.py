@@ -16,6 +16,7 @@ from launcher.core.defaults import TIMEOUT_S
 from launcher.core.errors import LaunchError
 from launcher.core.field_docs import field_docs
 from launcher.group.backends import BACKEND_CHOICES
+from launcher.placement import cpus
 from launcher.training.batch_size import per_rank_batch
 
 #: the built-in data sets and models (``launcher.training.data``, ``.models``): named here, a
@@ -114,9 +115,18 @@ class TrainConfig:
     log_every: int = 10
     """log (and record metrics) every N optimizer steps"""
 
+    tensorboard: bool = False
+    """also write the metrics as TensorBoard curves to RUN_DIR/tensorboard (rank 0; each step
+    once across requeues and resumes): tensorboard --logdir RUN_DIR/tensorboard"""
+
     threads: int = 0
     """torch threads per rank on CPU; 0: the cores this process may use divided by the ranks on
     its node (more threads than free cores make every step far slower on a busy machine)"""
+
+    bind: str = "auto"
+    """CPU binding of the ranks sharing a node: cores (disjoint CPU sets in NUMA order), numa
+    (whole NUMA nodes), none, or auto (cores when a CPU node has several ranks and a CPU for
+    each); a mask the launcher set (srun --cpu-bind, mpirun --bind-to) is always kept"""
 
     timeout_s: float = TIMEOUT_S
     """seconds a collective, and each start-up stage (+10 s), may wait on a peer that no
@@ -126,6 +136,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         _choice("--precision", self.precision, PRECISIONS)
         _choice("--sync", self.sync, SYNC_MODES)
+        _choice("--bind", self.bind, cpus.MODES)
         _choice("--backend", self.backend, BACKEND_CHOICES)
         if ":" not in self.dataset:
             _choice("--dataset", self.dataset, DATASETS)

@@ -2,23 +2,21 @@
 
 from __future__ import annotations
 
-import math
-import os
-
 import torch
 
-from launcher.placement import settings
+from launcher.placement import cpus, settings
+from launcher.placement.cpus import Binding
 from launcher.placement.env import JobEnv
 
 
-def use_cores_fairly(threads: int, env: JobEnv, device: torch.device) -> None:
-    # ranks sharing a node would otherwise each start one thread per core and oversubscribe it
-    if device.type != "cpu":
-        return
-    if threads == 0:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        threads = max(1, math.floor((cores or 1) / env.local_world_size))
-    torch.set_num_threads(threads)
+def use_cores_fairly(threads: int, env: JobEnv, device: torch.device, bind: str) -> Binding:
+    """Bind this rank's CPUs (``launcher.placement.cpus``), then give torch as many threads as
+    it has CPUs of its own: ranks sharing a node would otherwise each start one thread per core
+    and oversubscribe it. A LaunchError for a binding that cannot be (call it inside agree)."""
+    binding = cpus.bind(bind, env.local_rank, env.local_world_size, gpu=device.type == "cuda")
+    if device.type == "cpu":
+        torch.set_num_threads(threads or binding.threads)
+    return binding
 
 
 def use_deterministic_kernels() -> None:

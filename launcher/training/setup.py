@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from launcher.api.job import Job
+from launcher.core.curves import Curves
 from launcher.core.errors import LaunchError
 from launcher.core.logging_utils import RankLog
 from launcher.faults.agreement import agree
@@ -26,8 +27,11 @@ def build_trainer(config: TrainConfig, job: Job) -> Trainer:
     ``--resume`` names: the trainer ``fit`` runs."""
     env, device = job.env, job.device
     with agree():
-        log = _open_log(env, config)
-    use_cores_fairly(config.threads, env, device)
+        # the job's curves are RUN_DIR/tensorboard: launcher.train's status_dir is RUN_DIR
+        log = _open_log(env, config, job.curves if config.tensorboard else None)
+        binding = use_cores_fairly(config.threads, env, device, config.bind)
+    if binding.how != "unbound":  # one line for the job: rank 0's; the others alike
+        log.info(f"cores: {binding.how} (rank 0: {binding.describe()})")
     if config.deterministic:
         use_deterministic_kernels()
     # user errors below are agreed: each rank raises the same one, so exit-status keeps it
@@ -67,10 +71,10 @@ def build_trainer(config: TrainConfig, job: Job) -> Trainer:
     return trainer
 
 
-def _open_log(env: JobEnv, config: TrainConfig) -> RankLog:
+def _open_log(env: JobEnv, config: TrainConfig, curves: Curves | None) -> RankLog:
     """Rank 0's log and metrics file; a run directory it cannot write is a user error."""
     try:
-        return RankLog(env.is_main, config.metrics_path)
+        return RankLog(env.is_main, config.metrics_path, curves=curves)
     except OSError as exc:
         raise LaunchError(f"cannot write the metrics file {config.metrics_path}: {exc.strerror}",
                           hint="pass a --run-dir (or --metrics) that is a writable directory or "

@@ -109,6 +109,9 @@ elif [ "$status" -ne 0 ] && lost=$(quiet_first) && [ -n "$lost" ]; then
         "first without a word (killed, or the node lost): exit 3" >&2
     status=3
 fi
+# each rank's own output, whole, beside the job log's (launcher.core.rank_output)
+[ "$status" -eq 0 ] || [ ! -d "$run_dir/logs" ] ||
+    echo "job $SLURM_JOB_ID: each rank's output: $run_dir/logs/rank-R.log" >&2
 case $status in
     75)
         # the ranks caught the signal and saved a checkpoint: requeue, the next run resumes

@@ -1,0 +1,132 @@
+#!/bin/bash
+# Written by `invoke sbatch`; docs/launching.md explains each line.
+#SBATCH --job-name=ddp
+#SBATCH --array=0-5%2
+#SBATCH --nodes=1
+#SBATCH --ntasks-per-node=2
+#SBATCH --time=01:00:00
+#SBATCH --signal=USR1@60
+#SBATCH --requeue
+#SBATCH --open-mode=append
+#SBATCH --output=%x-%A_%a.out
+
+# This array task's configuration: its flags (after the others, so they win) and its run
+# directory. Its requeues name it alone: ${SLURM_ARRAY_JOB_ID}_$SLURM_ARRAY_TASK_ID.
+case ${SLURM_ARRAY_TASK_ID:?submit this script with sbatch: it is an array job} in
+    0) config=lr=0.1,global-batch-size=64; sweep_args=(--lr 0.1 --global-batch-size 64) ;;
+    1) config=lr=0.1,global-batch-size=128; sweep_args=(--lr 0.1 --global-batch-size 128) ;;
+    2) config=lr=0.05,global-batch-size=64; sweep_args=(--lr 0.05 --global-batch-size 64) ;;
+    3) config=lr=0.05,global-batch-size=128; sweep_args=(--lr 0.05 --global-batch-size 128) ;;
+    4) config=lr=0.02,global-batch-size=64; sweep_args=(--lr 0.02 --global-batch-size 64) ;;
+    5) config=lr=0.02,global-batch-size=128; sweep_args=(--lr 0.02 --global-batch-size 128) ;;
+    *) echo "array task $SLURM_ARRAY_TASK_ID is not one of the sweep's 6" >&2
+       exit 2 ;;
+esac
+job=${SLURM_ARRAY_JOB_ID}_$SLURM_ARRAY_TASK_ID
+run_dir=runs/sweep/"$config"
+status_file="$run_dir/exit-status"
+lost_file="$run_dir/lost-nodes"
+attempts_log="$run_dir/attempts.log"
+ranks_dir="$run_dir/ranks"
+# requeues after a lost or slow node, per job (preemptions are not counted)
+max_restarts=3
+# a previous attempt's ending must not decide this one
+rm -rf "$status_file" "$lost_file" "$ranks_dir"
+
+# One line per attempt in the run directory, which the ranks make: when, which job and
+# attempt, where, what. Not made here: a run directory missing on this host is another path
+# inside the container, and this one would be a stray.
+log_attempt() {
+    [ -d "$run_dir" ] && echo "$(date -u +%FT%TZ) job $job" \
+        "attempt $((SLURM_RESTART_COUNT + 1)) on $SLURM_JOB_NODELIST: $*" >> "$attempts_log"
+}
+
+# Requeue this job: the next attempt resumes from the last checkpoint. scontrol requeue ends
+# this script with SIGTERM (SIGKILL after KillWait): ignored, so the lines after it still run.
+requeue() {
+    trap '' TERM
+    scontrol requeue "$job"
+}
+
+# The nodes of the ranks that ended first without a word (killed, or their node lost), when
+# no rank could say: the ranks' records left in $ranks_dir (launcher.faults.rank_record). A record's
+# first line is its node; more lines are a traceback (a fatal signal ended the rank); its time
+# is when the rank was last known alive. Silent records from before the first crash, or from
+# 10 s before the last record, are lost (a survivor may crash, or hang until srun's
+# --wait ends it, when its peer dies). Prints the crashes; none lost when nobody can tell.
+quiet_first() {
+    local mtime path lines node
+    find "$ranks_dir" -type f -printf '%T@ %p\n' 2> /dev/null | while read -r mtime path; do
+        lines=$(wc -l < "$path")
+        node=$(head -n 1 "$path")
+        [ "$lines" -le 1 ] || echo "job $job: rank ${path##*/} on $node:" \
+            "$(sed -n 2p "$path") (traceback: $path)" >&2
+        echo "$mtime $lines $node"
+    done | awk -v gap=10 '
+        $2 > 1 && (first == "" || $1 < first) { first = $1 }
+        { at[NR] = $1; silent[NR] = $2 <= 1; node[NR] = $3; if ($1 > last) last = $1 }
+        END {
+            limit = first != "" ? first : last - gap
+            for (i = 1; i <= NR; i++) if (silent[i] && at[i] <= limit) print node[i]
+        }' | sort -u | paste -sd,
+}
+
+# Requeue without the nodes $1 (comma-separated; none when empty) because of $2: exits the
+# script, or returns 1 when this job used all its restarts (counted in the attempt log, so a
+# log that cannot be written means no requeue).
+requeue_without() {
+    local restarts excluded
+    restarts=$(grep -c "^[^ ]* job $job .*: restart [0-9]* of " "$attempts_log" \
+        2> /dev/null)
+    if [ "${restarts:-0}" -ge "$max_restarts" ]; then
+        log_attempt "$2; all $max_restarts restarts used"
+        return 1
+    fi
+    log_attempt "$2: restart $((restarts + 1)) of $max_restarts${1:+ without $1}" || return 1
+    echo "job $job: $2: requeueing${1:+ without $1}" >&2
+    [ -z "$1" ] || excluded=$(scontrol show job "$job" | grep -o 'ExcNodeList=[^ ]*')
+    excluded=${excluded#ExcNodeList=}
+    [ "$excluded" != "(null)" ] || excluded=
+    requeue || exit
+    # only a pending job takes a new ExcNodeList: after the requeue, before it starts again
+    [ -z "$1" ] || scontrol update JobId="$job" ExcNodeList="${excluded:+$excluded,}$1"
+    exit
+}
+
+srun --nodes 1 --ntasks-per-node 2 --mpi=pmi2 --kill-on-bad-exit=0 --wait=60 \
+    --export=ALL,APPTAINERENV_PYTHONUNBUFFERED=1,APPTAINERENV_OMP_NUM_THREADS=1,APPTAINERENV_DDP_PREEMPT_SIGNAL=USR1,APPTAINER_SHARENS=true \
+    apptainer exec ddp-cpu.sif \
+    python -m launcher.train --resume auto --epochs 3 --run-dir runs/sweep "${sweep_args[@]}" --run-dir "$run_dir"
+status=$?
+# A rank that knows how the job ended wrote it to the run directory: it decides, since
+# torchrun exits 1 and srun 128 + N (a rank a signal ended) whatever the ranks knew.
+if [ "$status" -ne 0 ] && [ -s "$status_file" ]; then
+    read -r status reason < "$status_file"
+    echo "job $job: the ranks report exit $status: $reason" >&2
+    lost=$(paste -sd, "$lost_file" 2> /dev/null)
+elif [ "$status" -ne 0 ] && lost=$(quiet_first) && [ -n "$lost" ]; then
+    echo "job $job: exit $status and no rank said why; the ranks on $lost ended" \
+        "first without a word (killed, or the node lost): exit 3" >&2
+    status=3
+fi
+# each rank's own output, whole, beside the job log's (launcher.core.rank_output)
+[ "$status" -eq 0 ] || [ ! -d "$run_dir/logs" ] ||
+    echo "job $job: each rank's output: $run_dir/logs/rank-R.log" >&2
+case $status in
+    75)
+        # the ranks caught the signal and saved a checkpoint: requeue, the next run resumes
+        # from it. Exit with scontrol's status: the job fails only when the requeue failed.
+        log_attempt "exit 75 (preempted): requeue"
+        echo "job $job preempted (exit 75): requeueing" >&2
+        requeue
+        exit $?
+        ;;
+    3)
+        # a peer was lost: requeue without the nodes the survivors named or that went quiet
+        # first (none: with the same nodes excluded as before); once the restarts are used
+        # up, pass it on
+        requeue_without "$lost" "exit 3, lost ${lost:-a node nobody named}"
+        ;;
+esac
+log_attempt "exit $status: passed on"
+exit "$status"
