@@ -86,7 +86,7 @@ def test_a_user_error_found_in_the_run_directory_keeps_its_reason(tmp_path, mpi_
                             "--global-batch-size", "63"], timeout=120)
     assert result.returncode == 2, result.output
     assert (run_dir / run_files.EXIT_STATUS_FILE).read_text() == (
-        "2 --global-batch-size 63 does not divide into 2 ranks x 2 micro-batches\n")
+        "2 a global batch of 63 samples does not divide into 2 ranks x 2 micro-batches\n")
 
 
 def test_a_run_that_ends_before_its_first_record_leaves_no_metrics_file(tmp_path):
