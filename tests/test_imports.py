@@ -16,7 +16,6 @@ import pytest
 import launcher
 
 ROOT = Path(__file__).resolve().parent.parent
-ENTRY_FLOOR = len(launcher.LAYERS)  # launcher/train.py and the other entry modules: on top
 
 
 def module_name(path: Path) -> str:
