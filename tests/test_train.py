@@ -94,7 +94,8 @@ _references: dict[str, str] = {}
 
 
 def reference_hash(backend: str, data_dir: Path, tmp_path_factory) -> str:
-    """The parameters after an uninterrupted run with RESUME_FLAGS (computed once per backend)."""
+    """The parameters after an uninterrupted run with RESUME_FLAGS (computed once per backend
+    and worker: the tests that read it share an xdist group, so once in all)."""
     if backend not in _references:
         run_dir = tmp_path_factory.mktemp(f"reference-{backend}")
         result = train(2, run_dir, data_dir, *RESUME_FLAGS, backend=backend)
@@ -178,6 +179,7 @@ def preempt_rank_1(process: subprocess.Popen, run_dir: Path, step: int) -> tuple
     return stdout, stderr
 
 
+@pytest.mark.xdist_group("train-reference")
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_sigusr1_to_one_rank_then_resume_is_bit_exact(tmp_path, data_dir, backend,
                                                       tmp_path_factory):
@@ -202,6 +204,7 @@ def test_sigusr1_to_one_rank_then_resume_is_bit_exact(tmp_path, data_dir, backen
     assert the_hash(resumed) == expected
 
 
+@pytest.mark.xdist_group("train-reference")
 def test_corrupt_newest_checkpoint_is_skipped_and_resume_stays_exact(tmp_path, data_dir,
                                                                      tmp_path_factory):
     expected = reference_hash("gloo", data_dir, tmp_path_factory)
