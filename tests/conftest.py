@@ -7,4 +7,5 @@ pytest_plugins = [
     "tests.fixtures.cluster",
     "tests.fixtures.host_mpi",
     "tests.fixtures.sif",
+    "tests.fixtures.xdist_groups",
 ]
