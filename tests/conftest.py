@@ -9,5 +9,6 @@ pytest_plugins = [
     "tests.fixtures.host_mpi",
     "tests.fixtures.sif",
     "tests.fixtures.scheduling",
+    "tests.fixtures.xdist_groups",
     "tests.fixtures.timing",
 ]

@@ -67,8 +67,8 @@ def uninterrupted(tmp_path_factory, data_dir) -> Path:
 @pytest.mark.parametrize("launcher, before, after", [
     pytest.param("mpiexec", 2, 3, marks=pytest.mark.mpi, id="mpiexec-2-to-3-preempted"),
     pytest.param("mpiexec", 3, 2, marks=pytest.mark.mpi, id="mpiexec-3-to-2"),
+    # the checkpoint's resharding does not know the launcher: torchrun once, one way
     pytest.param("torchrun", 2, 3, id="torchrun-2-to-3"),
-    pytest.param("torchrun", 3, 2, id="torchrun-3-to-2"),
 ])
 def test_resume_on_another_world_size(tmp_path, data_dir, uninterrupted, launcher, before,
                                       after):

@@ -95,7 +95,8 @@ _references: dict[str, str] = {}
 
 
 def reference_hash(backend: str, data_dir: Path, tmp_path_factory) -> str:
-    """The parameters after an uninterrupted run with RESUME_FLAGS (computed once per backend)."""
+    """The parameters after an uninterrupted run with RESUME_FLAGS (computed once per backend
+    and worker: the tests that read it share an xdist group, so once in all)."""
     if backend not in _references:
         run_dir = tmp_path_factory.mktemp(f"reference-{backend}")
         result = train(2, run_dir, data_dir, *RESUME_FLAGS, backend=backend)
@@ -179,6 +180,7 @@ def preempt_rank_1(process: subprocess.Popen, run_dir: Path, step: int) -> tuple
     return stdout, stderr
 
 
+@pytest.mark.xdist_group("train-reference")
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_sigusr1_to_one_rank_then_resume_is_bit_exact(tmp_path, data_dir, backend,
                                                       tmp_path_factory):
@@ -203,6 +205,7 @@ def test_sigusr1_to_one_rank_then_resume_is_bit_exact(tmp_path, data_dir, backen
     assert the_hash(resumed) == expected
 
 
+@pytest.mark.xdist_group("train-reference")
 def test_corrupt_newest_checkpoint_is_skipped_and_resume_stays_exact(tmp_path, data_dir,
                                                                      tmp_path_factory):
     expected = reference_hash("gloo", data_dir, tmp_path_factory)
@@ -240,19 +243,33 @@ def test_resume_with_three_ranks_is_bit_exact(tmp_path, data_dir, flags):
     assert the_hash(second, ranks=3) == the_hash(whole, ranks=3)
 
 
-def test_sync_modes_and_world_sizes_agree(tmp_path, data_dir):
+#: an MLP without dropout, one epoch of 44 steps: synchronous SGD's runs, compared
+PLAIN_FLAGS = ["--dropout", "0", "--epochs", "1", "--global-batch-size", "32"]
+
+
+@pytest.fixture(scope="module")
+def plain_runs(tmp_path_factory, data_dir) -> tuple[Path, dict[str, object]]:
+    """A 2-rank DDP run, a 2-rank --sync manual run and a 1-rank run of PLAIN_FLAGS: started
+    once, for every test that compares with them."""
+    root = tmp_path_factory.mktemp("plain")
+    return root, {
+        "ddp": train(2, root / "ddp", data_dir, *PLAIN_FLAGS, "--sync", "ddp"),
+        "manual": train(2, root / "manual", data_dir, *PLAIN_FLAGS, "--sync", "manual"),
+        "single": train(1, root / "single", data_dir, *PLAIN_FLAGS),
+    }
+
+
+@pytest.mark.xdist_group("train-plain-runs")
+def test_sync_modes_and_world_sizes_agree(plain_runs):
     """Synchronous SGD: DDP and the hand-written all-reduce give the same weights, and 2 ranks
     of half the batch each match 1 rank of the whole batch up to float rounding."""
-    flags = ["--dropout", "0", "--epochs", "1", "--global-batch-size", "32"]
-    ddp = train(2, tmp_path / "ddp", data_dir, *flags, "--sync", "ddp")
-    manual = train(2, tmp_path / "manual", data_dir, *flags, "--sync", "manual")
-    single = train(1, tmp_path / "single", data_dir, *flags)
-    for result in (ddp, manual, single):
+    root, runs = plain_runs
+    for result in runs.values():
         assert result.returncode == 0, result.output
-    assert the_hash(ddp) == the_hash(manual)
+    assert the_hash(runs["ddp"]) == the_hash(runs["manual"])
 
-    worst = max(differences(saved_model(tmp_path / "ddp", 44),
-                            saved_model(tmp_path / "single", 44)).values())
+    worst = max(differences(saved_model(root / "ddp", 44),
+                            saved_model(root / "single", 44)).values())
     assert worst < 1e-5, worst  # the tolerance stated in docs/training.md (measured 9e-8)
 
 
@@ -384,28 +401,39 @@ def test_a_dataset_and_model_of_any_shape_train(tmp_path, data_dir, user_models,
     assert ("test_accuracy" in last) is (model == "Tagger")
 
 
-def test_ddp_equals_manual_for_cnn_with_batch_norm_dropout_and_accumulation(tmp_path, data_dir):
-    flags = ["--model", "cnn", "--epochs", "1", "--grad-accum", "2", "--max-steps", "8"]
-    ddp = train(2, tmp_path / "ddp", data_dir, *flags, "--sync", "ddp")
-    manual = train(2, tmp_path / "manual", data_dir, *flags, "--sync", "manual")
+@pytest.fixture(scope="module")
+def cnn_runs(tmp_path_factory, data_dir) -> tuple[Path, dict[str, object]]:
+    """The CNN (batch norm, dropout) with gradient accumulation, one epoch of 44 steps on 2
+    ranks, once under each --sync mode: started once, for every test that reads them."""
+    root = tmp_path_factory.mktemp("cnn")
+    flags = ["--model", "cnn", "--epochs", "1", "--global-batch-size", "32", "--grad-accum", "2"]
+    return root, {sync: train(2, root / sync, data_dir, *flags, "--sync", sync)
+                  for sync in ("ddp", "manual")}
+
+
+@pytest.mark.xdist_group("train-cnn-runs")
+def test_ddp_equals_manual_for_cnn_with_batch_norm_dropout_and_accumulation(cnn_runs):
+    _, runs = cnn_runs
+    ddp, manual = runs["ddp"], runs["manual"]
     assert ddp.returncode == 0 and manual.returncode == 0, ddp.output + manual.output
     assert the_hash(ddp) == the_hash(manual)
 
 
+@pytest.mark.xdist_group("train-cnn-runs")
 @pytest.mark.parametrize("sync", ["ddp", "manual"])
-def test_every_rank_evaluates_with_rank_0s_batch_norm_statistics(tmp_path, data_dir, sync):
+def test_every_rank_evaluates_with_rank_0s_batch_norm_statistics(cnn_runs, data_dir, sync):
     """On CPU each rank's batch norm updates its own running statistics while training (nothing
     reads them there, so no collective per step); before evaluating every rank takes rank 0's,
     the ones the checkpoint holds. So the 2-rank evaluation is that of the saved model."""
     from launcher.training.data import load_dataset
     from launcher.training.models import cnn
 
-    run = train(2, tmp_path, data_dir, "--model", "cnn", "--epochs", "1",
-                "--global-batch-size", "32", "--sync", sync)
-    assert run.returncode == 0, run.output
-    (reported,) = metrics(tmp_path, "eval")
+    root, runs = cnn_runs
+    run_dir = root / sync
+    assert runs[sync].returncode == 0, runs[sync].output
+    (reported,) = metrics(run_dir, "eval")
     model = cnn()
-    model.load_state_dict(saved_model(tmp_path, 44))
+    model.load_state_dict(saved_model(run_dir, 44))
     test = load_dataset("digits", data_dir, local_rank=0).test
     with torch.no_grad():
         loss = torch.nn.functional.cross_entropy(model.eval()(test.inputs), test.targets)
@@ -425,15 +453,17 @@ def test_buffers_read_in_training_follow_rank_0_in_both_sync_modes(tmp_path, dat
     assert the_hash(runs[0]) == the_hash(runs[1])
 
 
-def test_gradient_accumulation_matches_one_big_batch(tmp_path, data_dir):
-    flags = ["--dropout", "0", "--epochs", "1", "--max-steps", "10", "--global-batch-size", "32"]
-    runs = {accum: train(2, tmp_path / accum, data_dir, *flags, "--grad-accum", accum)
-            for accum in ("1", "4")}
-    for result in runs.values():
-        assert result.returncode == 0, result.output
+@pytest.mark.xdist_group("train-plain-runs")
+def test_gradient_accumulation_matches_one_big_batch(tmp_path, data_dir, plain_runs):
+    """Four micro-batches of 4 per rank, the whole epoch, against plain_runs' DDP run (one
+    micro-batch of 16)."""
+    root, runs = plain_runs
+    assert runs["ddp"].returncode == 0, runs["ddp"].output
+    four = train(2, tmp_path, data_dir, *PLAIN_FLAGS, "--grad-accum", "4")
+    assert four.returncode == 0, four.output
 
-    one, four = saved_model(tmp_path / "1", 10), saved_model(tmp_path / "4", 10)
-    assert max(differences(one, four).values()) < 1e-5
+    one = saved_model(root / "ddp", 44)
+    assert max(differences(one, saved_model(tmp_path, 44)).values()) < 1e-5
 
 
 @pytest.mark.parametrize("flags, key", [
