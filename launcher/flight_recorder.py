@@ -86,7 +86,7 @@ class Entry:
         seq, op, shape, dtype, code, lasti, start, end, state = raw
         return cls(seq, op, group, [] if shape is None else list(shape),
                    "" if dtype is None else str(dtype).removeprefix("torch."),
-                   "?" if code is None else f"{_short(code.co_filename)}:{line_of(code, lasti)}",
+                   "?" if code is None else f"{short(code.co_filename)}:{line_of(code, lasti)}",
                    "?" if code is None else code.co_name, start, end, state)
 
 
@@ -147,7 +147,7 @@ def line_of(code, lasti: int) -> int:
     return line
 
 
-def _short(path: str) -> str:
+def short(path: str) -> str:
     """A path relative to the working directory when inside it, else as given."""
     cwd = os.getcwd() + os.sep
     return path[len(cwd):] if path.startswith(cwd) else path
