@@ -201,7 +201,9 @@ def _wrap(name: str, original, tensor_at: int | None, group_at: int | None):
 
 
 def install() -> None:
-    """Record every call made through ``torch.distributed`` from now on (idempotent)."""
+    """Record every call made through ``torch.distributed`` from now on (idempotent), in
+    rings emptied for a new process group."""
+    _rings.clear()
     for name, (tensor_at, group_at) in _CALLS.items():
         if name in _originals or not hasattr(dist, name):
             continue

@@ -213,7 +213,8 @@ def distributed(backend: str = "auto", timeout_s: float = 300.0,
         timeout_s = _checked_timeout(timeout_s)
         env = detect_environment()
         with _witnessed(status_dir, env), PreemptionWatch(env.preempt_signal, env.rank) as watch, \
-                process_group(env, backend, timeout_s) as ctx:
+                process_group(env, backend, timeout_s,
+                              None if status_dir is None else Path(status_dir)) as ctx:
             yield Job(ctx.env, ctx.backend, ctx.device, watch)
 
 

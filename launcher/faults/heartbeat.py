@@ -4,8 +4,9 @@ A stopped process (SIGSTOP, a node frozen in swap, a hung file system) answers n
 raises nothing: only its silence tells. Each rank runs a thread that every ``BEAT_S`` sends a
 beat to every other rank and notes when it last heard from each. A rank not heard for
 ``SILENT_S`` is silent. The ranks' waits ask here, when their timeout passes, whether a peer is
-silent (``PeerLost`` naming its rank and node) or alive and busy (writing a checkpoint,
-evaluating: the wait goes on, up to ``BUSY_LIMIT`` times the timeout).
+silent (``PeerLost`` naming its rank and node) or alive: then the ranks say where they are
+(``launcher.hang_watch``): not meeting is named in one line; all in the same call (writing a
+checkpoint, evaluating), the wait goes on, up to ``BUSY_LIMIT`` times the timeout.
 
 Beats travel over the rendezvous store when there is one (gloo, nccl: a counter per rank on a
 connection of its own; when the store stops answering, its host, rank 0, is the silent one) or,
@@ -20,6 +21,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from launcher import hang_watch
 from launcher.core.errors import PeerLost
 from launcher.faults.c10d_log import quiet_c10d
 from launcher.placement.env import JobEnv
@@ -203,7 +205,10 @@ def overdue(what: str, elapsed: float, timeout_s: float, rank: int) -> None:
     beat = current()
     silent = beat.silent() if beat is not None else []
     failed = (f"{what} did not complete within {timedelta(seconds=round(elapsed))} "
-              f"(this is rank {rank})")
+              f"(this is rank {rank}{hang_watch.in_call()})")
+    watch = hang_watch.current()
+    if watch is not None:  # alive but not meeting, or ended: said in one line, exit 4
+        watch.await_verdict() if silent else watch.check()
     if silent:
         raise beat.lost(failed, silent)
     if beat is None or elapsed > BUSY_LIMIT * timeout_s:

@@ -23,10 +23,12 @@ import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from launcher import flight_recorder, hang_watch
 from launcher.core.errors import PeerLost, RankFailed, raised_everywhere
 from launcher.faults import failfast
 from launcher.faults.peer_lost import diagnose, is_communication_failure
@@ -60,9 +62,12 @@ def bind_device(env: JobEnv, cuda_available: bool) -> torch.device:
 
 @contextmanager
 def process_group(
-    env: JobEnv, backend: str = "auto", timeout_s: float = 300.0
+    env: JobEnv, backend: str = "auto", timeout_s: float = 300.0, run_dir: Path | None = None
 ) -> Iterator[DistContext]:
     """Initialise torch.distributed for ``env``; tear it down on exit whatever happens.
+
+    Every collective is recorded (``launcher.flight_recorder``); ranks alive but not meeting
+    are found and named (``launcher.hang_watch``), with their stacks under ``run_dir/hang``.
 
     A communication failure inside the body (a peer died, the network was cut, a collective
     timed out) comes out as ``PeerLost`` naming the ranks and nodes whose heartbeats stopped.
@@ -75,6 +80,8 @@ def process_group(
     timeout = timedelta(seconds=timeout_s)
     env, name, store = _start(env, chosen, device, timeout)
     watchdog = failfast.start(env, store)
+    flight_recorder.install()
+    hang_watch.start(run_dir, timeout_s)
     healthy = True
     failure: BaseException | None = None
     try:
@@ -95,6 +102,9 @@ def process_group(
         # a lost or failed peer may hold up an orderly tear-down: the caller ends the process
         # instead (launcher.core.errors.report_and_exit, launcher.faults.failfast.end_process)
         if healthy:
+            if (watch := hang_watch.current()) is not None:
+                watch.ended()  # for ranks that may still wait for this one
+                hang_watch.stop()
             watchdog.close()
             if dist.is_initialized():
                 _release_users_of_the_group(failure)
