@@ -1,4 +1,4 @@
-"""What the flight recorder (``launcher.flight_recorder``) costs: per call and per training step.
+"""What the flight recorder (``launcher.faults.flight_recorder``) costs: per call and per step.
 
     .venv/bin/python -m benchmarks.flight_recorder --json benchmarks/results/flight_recorder.json
 
@@ -26,8 +26,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from launcher import flight_recorder as fr
-from launcher.models import build_model
+from launcher.faults import flight_recorder as fr
+from launcher.training.models import build_model
 
 
 def per_call(op, calls: int) -> float:

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from launcher import flight_recorder as fr
+from launcher.faults import flight_recorder as fr
 
 
 @pytest.fixture

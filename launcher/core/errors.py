@@ -32,9 +32,9 @@ EXIT_USER_ERROR = 2
 EXIT_PEER_LOST = 3
 
 #: exit status when the ranks are alive but do not meet (collectives called in a different
-#: order, a rank that ended or is stuck elsewhere while the others wait): one line on every rank
-#: says who is where (``launcher.hang_watch``). A bug in the script, not a lost node: rerunning
-#: will not help, and batch scripts pass it on without requeueing
+#: order, a rank that ended or is stuck elsewhere while the others wait): one line on every
+#: rank says who is where (``launcher.faults.hang_watch``). A bug in the script, not a lost
+#: node: rerunning will not help, and batch scripts pass it on without requeueing
 EXIT_HUNG = 4
 
 #: exit status when a rank raised an exception nobody handled (a bug in a model, a dataset, a

@@ -70,7 +70,7 @@ def recorded(run_dir: Path, rank: int) -> Iterator[None]:
 
 
 def record_hang(run_dir: Path, line: str) -> None:
-    """The ranks do not meet (``launcher.hang_watch``): written by rank 0, which decided."""
+    """The ranks do not meet (``launcher.faults.hang_watch``): written by rank 0, which decided."""
     _write(run_dir, EXIT_HUNG, line)
 
 

@@ -5,7 +5,7 @@ raises nothing: only its silence tells. Each rank runs a thread that every ``BEA
 beat to every other rank and notes when it last heard from each. A rank not heard for
 ``SILENT_S`` is silent. The ranks' waits ask here, when their timeout passes, whether a peer is
 silent (``PeerLost`` naming its rank and node) or alive: then the ranks say where they are
-(``launcher.hang_watch``): not meeting is named in one line; all in the same call (writing a
+(``launcher.faults.hang_watch``): not meeting is named in one line; all in the same call (writing a
 checkpoint, evaluating), the wait goes on, up to ``BUSY_LIMIT`` times the timeout.
 
 Beats travel over the rendezvous store when there is one (gloo, nccl: a counter per rank on a
@@ -21,8 +21,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from launcher import hang_watch
 from launcher.core.errors import PeerLost
+from launcher.faults import hang_watch
 from launcher.faults.c10d_log import quiet_c10d
 from launcher.placement.env import JobEnv
 

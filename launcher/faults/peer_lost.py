@@ -11,9 +11,8 @@ import re
 
 import torch.distributed as dist
 
-from launcher import hang_watch
 from launcher.core.errors import PeerLost
-from launcher.faults import heartbeat
+from launcher.faults import hang_watch, heartbeat
 from launcher.placement.env import JobEnv
 
 #: each rank's host name, set in the store at the rendezvous

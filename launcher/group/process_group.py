@@ -28,9 +28,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from launcher import flight_recorder, hang_watch
 from launcher.core.errors import PeerLost, RankFailed, raised_everywhere
-from launcher.faults import failfast
+from launcher.faults import failfast, flight_recorder, hang_watch, heartbeat
 from launcher.faults.peer_lost import diagnose, is_communication_failure
 from launcher.group.backends import MPI4PY, BackendFacts, BackendPlan, plan
 from launcher.group.gpu_sharing import nccl_unless_gpus_are_shared
@@ -66,8 +65,8 @@ def process_group(
 ) -> Iterator[DistContext]:
     """Initialise torch.distributed for ``env``; tear it down on exit whatever happens.
 
-    Every collective is recorded (``launcher.flight_recorder``); ranks alive but not meeting
-    are found and named (``launcher.hang_watch``), with their stacks under ``run_dir/hang``.
+    Every collective is recorded (``launcher.faults.flight_recorder``); ranks alive but not meeting
+    are found and named (``launcher.faults.hang_watch``), with their stacks under ``run_dir/hang``.
 
     A communication failure inside the body (a peer died, the network was cut, a collective
     timed out) comes out as ``PeerLost`` naming the ranks and nodes whose heartbeats stopped.
@@ -81,7 +80,7 @@ def process_group(
     env, name, store = _start(env, chosen, device, timeout)
     watchdog = failfast.start(env, store)
     flight_recorder.install()
-    hang_watch.start(run_dir, timeout_s)
+    hang_watch.start(run_dir, timeout_s, _silent, failfast.end_process)
     healthy = True
     failure: BaseException | None = None
     try:
@@ -132,6 +131,11 @@ def _start(env: JobEnv, chosen: BackendPlan, device: torch.device,
                 name = nccl_unless_gpus_are_shared(env, store, device, chosen.if_gpu_shared)
         _init(env, name, store, timeout)
     return env, name, store
+
+
+def _silent() -> list[int]:
+    beat = heartbeat.current()
+    return [] if beat is None else beat.silent()
 
 
 def _release_users_of_the_group(failure: BaseException | None) -> None:

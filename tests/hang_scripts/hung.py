@@ -21,6 +21,8 @@ how, backend, run_dir = sys.argv[1:4]
 with launcher.distributed(backend=backend, timeout_s=5, status_dir=run_dir) as job:
     tensor = torch.ones(4)
     for step in range(1, 5):
+        if job.rank == 0 and step == 3:
+            print(f"waiting since {time.monotonic()}", flush=True)
         if job.rank == 1 and step == 3:
             if how == "skip":
                 continue

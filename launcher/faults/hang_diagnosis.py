@@ -1,6 +1,6 @@
 """A hang in one line: from what each rank says of itself, who is where and why they do not meet.
 
-Each rank's ``Where`` (``launcher.hang_watch`` gathers them) holds its kind ("waiting" in a
+Each rank's ``Where`` (``launcher.faults.hang_watch`` gathers them) holds its kind ("waiting" in a
 collective, "elsewhere" outside any, "ended", "no answer" when it could not say), its current or
 last call from the flight recorder and its recent calls. ``diagnose`` decides, in this order:
 

@@ -49,7 +49,8 @@ _CALLS: dict[str, tuple[int | None, int | None]] = {
 #: context managers
 _TORCH, _LAUNCHER = (os.path.dirname(os.path.abspath(sys.modules[m].__file__)) + os.sep
                      for m in ("torch", "launcher"))
-_CONTEXTLIB = os.path.abspath(sys.modules["contextlib"].__file__)
+_STDLIB_WAITS = tuple(os.path.abspath(sys.modules[m].__file__) for m in ("contextlib",
+                                                                          "threading"))
 
 
 @dataclass
@@ -109,11 +110,11 @@ _lock = threading.Lock()
 
 
 def _kind(code) -> int:
-    """0: the user's code, 1: launcher's, 2: torch's or contextlib's."""
+    """0: the user's code, 1: launcher's, 2: torch's or contextlib's and threading's."""
     kind = _kinds.get(code)
     if kind is None:
         name = os.path.abspath(code.co_filename)
-        kind = _kinds[code] = (2 if name.startswith(_TORCH) or name == _CONTEXTLIB
+        kind = _kinds[code] = (2 if name.startswith(_TORCH) or name in _STDLIB_WAITS
                                else 1 if name.startswith(_LAUNCHER) else 0)
     return kind
 

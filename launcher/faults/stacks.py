@@ -1,9 +1,9 @@
 """Where this process is: the Python stacks of all its threads, read from inside, without ptrace.
 
-A thread of this process (the side channel's, ``launcher.hang_watch``) reads the others' frames
+A thread of this process (``launcher.faults.hang_watch``) reads the other threads' frames
 with ``sys._current_frames()``: no py-spy, no ptrace rights, which containers and clusters
 rarely grant. It needs the GIL, so a process stopped or in a C call that holds the GIL cannot
-answer; the asking rank names it as such (``launcher.hang_diagnosis``).
+answer; the asking rank names it as such (``launcher.faults.hang_diagnosis``).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import sys
 import threading
 import traceback
 
-from launcher import flight_recorder
+from launcher.faults import flight_recorder
 
 
 def all_threads() -> str:

@@ -1,19 +1,21 @@
 """Alive but not meeting: when a wait passes its timeout while every peer still beats, the ranks
-say where they are over the side channel (``launcher.side_channel``) and rank 0 decides.
+say where they are over the side channel (``launcher.faults.side_channel``) and rank 0 decides.
 
 - A rank whose wait passed the timeout (``check``; the mpi backend's waits, gloo's failed
-  collectives through ``launcher.peer_lost``) asks rank 0 to look, at most once per timeout.
-- Rank 0 asks every rank where it is (``hang.where?``, one broadcast). Each rank answers from a
-  thread of its own: its flight recorder's current call (``launcher.flight_recorder``), where its
-  main thread is and the stacks of all its threads (``launcher.stacks``), written to the hang
-  directory as ``rank-R.txt`` and ``rank-R.json``, and posted as ``hang.where``. A rank that
-  left the job told rank 0 where, on its way out (``ended``); one that cannot answer within
-  ``ANSWER_S`` is named as such.
-- Rank 0 decides (``launcher.hang_diagnosis``). A line: it writes ``diagnosis.txt`` and sends
-  it to every rank, each prints it and ends with ``EXIT_HUNG`` (never 3: no node is lost). No
-  line (every rank waits in the same call: a long checkpoint write, an evaluation): the wait
-  goes on, looked at again after each further timeout, up to ``heartbeat.BUSY_LIMIT`` times it.
-  A rank that fell silent is left to the heartbeats (``PeerLost``, exit 3).
+  collectives through ``launcher.faults.peer_lost``) asks rank 0 to look, at most once per
+  timeout.
+- Rank 0 asks every rank where it is (``hang.where?``, one broadcast). Each rank answers from
+  a thread of its own: its flight recorder's current call (``launcher.faults.flight_recorder``),
+  where its main thread is and the stacks of all its threads (``launcher.faults.stacks``),
+  written to the hang directory as ``rank-R.txt`` and ``rank-R.json``, and posted as
+  ``hang.where``. A rank that left the job told rank 0 where, on its way out (``ended``); one
+  that cannot answer within ``ANSWER_S`` is named as such.
+- Rank 0 decides (``launcher.faults.hang_diagnosis``). A line: it writes ``diagnosis.txt`` and
+  sends it to every rank; each prints it and ends with ``EXIT_HUNG`` (never 3: no node is
+  lost). No line (every rank waits in the same call: a long checkpoint write, an evaluation):
+  the wait goes on, looked at again after each further timeout, up to
+  ``heartbeat.BUSY_LIMIT`` times it. A rank that fell silent is left to the heartbeats
+  (``PeerLost``, exit 3).
 
 The hang directory: ``RUN_DIR/hang`` with a run directory (``launcher.distributed(status_dir=)``,
 ``launcher.train --run-dir``), else a directory under the temporary directory, on each rank's
@@ -27,12 +29,14 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-from launcher import flight_recorder, side_channel, stacks
-from launcher.atomic import write_atomic
-from launcher.errors import EXIT_HUNG
-from launcher.hang_diagnosis import ELSEWHERE, ENDED, NO_ANSWER, WAITING, Where, diagnose
+from launcher.core.atomic import write_atomic
+from launcher.core.errors import EXIT_HUNG
+from launcher.faults import flight_recorder, stacks
+from launcher.faults.exit_status import record_hang
+from launcher.faults.hang_diagnosis import ELSEWHERE, ENDED, NO_ANSWER, WAITING, Where, diagnose
 
 #: how long rank 0 waits for the ranks' answers; one that has not answered by then cannot
 ANSWER_S = 5.0
@@ -40,6 +44,8 @@ ANSWER_S = 5.0
 ACK_S = 5.0
 #: how long a rank that asked waits for rank 0's answer before its own report goes on
 VERDICT_S = ANSWER_S + 5.0
+#: how long one read of the answers may wait (they are read again until ANSWER_S)
+READ_S = 1.0
 #: the recent calls each rank sends (the whole recorder goes to its file)
 HISTORY = 16
 DECIDER = 0
@@ -49,8 +55,12 @@ DIAGNOSIS_FILE = "diagnosis.txt"
 class HangWatch:
     """This rank's part: answering where it is; on rank 0, deciding."""
 
-    def __init__(self, channel, run_dir: Path | None, timeout_s: float):
+    def __init__(self, channel, run_dir: Path | None, timeout_s: float,
+                 silent: Callable[[], list[int]], end: Callable[[int], None]):
         self._channel = channel
+        #: the ranks the heartbeats find silent; how this process ends (both passed in: the
+        #: heartbeats and fail-fast ask here)
+        self._silent, self._end = silent, end
         self.rank = channel.rank
         self._run_dir = run_dir
         self._timeout_s = timeout_s
@@ -128,9 +138,7 @@ class HangWatch:
         _print(self.rank, line)
         self._channel.send(message.source, "hang.ack")
         time.sleep(ACK_S / 2)  # rank 0 ends first (MPI_Abort): its status is the job's
-        from launcher.failfast import end_process
-
-        end_process(EXIT_HUNG)
+        self._end(EXIT_HUNG)
 
     def _count_ack(self, message) -> None:
         self._acks += 1
@@ -163,10 +171,7 @@ class HangWatch:
         self._end_all(line, directory)
 
     def _look(self) -> tuple[str | None, Path]:
-        from launcher import heartbeat
-
-        beat = heartbeat.current()
-        silent = set(beat.silent()) if beat is not None else set()
+        silent = set(self._silent())
         directory = self.directory()
         if silent - set(self._ended):
             return None, directory  # the heartbeats report them (PeerLost, exit 3)
@@ -181,12 +186,12 @@ class HangWatch:
                 wheres.append(Where.from_dict(said["where"]))
             elif rank in self._ended:
                 wheres.append(self._ended[rank])
-                _write_files(directory, self._ended[rank], "(ended: no stacks)\n")
+                _write_files(directory, self._ended[rank], "(ended: no stacks)\n", mine=False)
             elif rank in silent:
                 return None, directory  # the heartbeats report it (PeerLost)
             else:
                 wheres.append(Where(rank, self._channel.node(rank), NO_ANSWER))
-                _write_files(directory, wheres[-1], "(did not answer: no stacks)\n")
+                _write_files(directory, wheres[-1], "(did not answer: no stacks)\n", mine=False)
         line = diagnose(wheres)
         if line is not None:
             write_atomic(directory / DIAGNOSIS_FILE, f"{line}\n".encode())
@@ -197,9 +202,12 @@ class HangWatch:
         post over the store is read as it is: older rounds' and none are asked again)."""
         answers: dict[int, dict | None] = dict.fromkeys(range(self._channel.world_size))
         deadline = time.monotonic() + ANSWER_S
-        while (missing := [r for r, a in answers.items() if a is None]) and \
-                (left := deadline - time.monotonic()) > 0:
-            for rank, data in self._channel.read_many(missing, "hang.where", left).items():
+        while (missing := [r for r, a in answers.items() if a is None and r not in self._ended]) \
+                and (left := deadline - time.monotonic()) > 0:
+            # short reads: one that waits for a rank that cannot answer must not use up the
+            # time of one whose answer was not posted yet at the first read
+            reads = self._channel.read_many(missing, "hang.where", min(left, READ_S))
+            for rank, data in reads.items():
                 said = json.loads(data) if data else None
                 if said is not None and said["round"] == self._round:
                     answers[rank] = said
@@ -212,16 +220,12 @@ class HangWatch:
         _print(self.rank, f"HINT: every rank's stacks and last calls are in {directory}; "
                f"python -m launcher.hang {self._run_dir or directory} prints them again")
         if self._run_dir is not None:
-            from launcher.exit_status import record_hang
-
             record_hang(self._run_dir, line)
         deadline = time.monotonic() + ACK_S
         expected = self._channel.world_size - 1 - len(self._ended)
         while self._acks < expected and time.monotonic() < deadline:
             time.sleep(0.05)
-        from launcher.failfast import end_process
-
-        end_process(EXIT_HUNG)
+        self._end(EXIT_HUNG)
 
 
 def in_call() -> str:
@@ -241,10 +245,9 @@ def _print(rank: int, line: str) -> None:
     print(f"[rank {rank}] {line}", file=sys.stderr, flush=True)
 
 
-def _write_files(directory: Path, where: Where, threads: str) -> None:
-    """``rank-R.json`` (where, and the whole recorder when this rank wrote it) and
+def _write_files(directory: Path, where: Where, threads: str, mine: bool = True) -> None:
+    """``rank-R.json`` (where, and the whole recorder when it is this rank's) and
     ``rank-R.txt`` (the stacks and the calls, for people)."""
-    mine = where.rank == getattr(side_channel.current(), "rank", None)
     calls = flight_recorder.snapshot() if mine else []
     try:
         directory.mkdir(parents=True, exist_ok=True)
@@ -266,11 +269,17 @@ def current() -> HangWatch | None:
     return _current
 
 
-def start(run_dir: Path | None, timeout_s: float) -> HangWatch | None:
-    """Watch for hangs over this process's side channel (none: not distributed)."""
+def start(run_dir: Path | None, timeout_s: float, silent: Callable[[], list[int]],
+          end: Callable[[int], None]) -> HangWatch | None:
+    """Watch for hangs over this process's side channel (none: not distributed). ``silent``:
+    the ranks the heartbeats find silent; ``end``: how to end this process with a status."""
     global _current
+    try:
+        from launcher.faults import side_channel
+    except ImportError:  # the side channel (issue #35) is merged apart from this branch
+        return None
     channel = side_channel.current()
-    _current = None if channel is None else HangWatch(channel, run_dir, timeout_s)
+    _current = None if channel is None else HangWatch(channel, run_dir, timeout_s, silent, end)
     return _current
 
 
