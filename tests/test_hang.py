@@ -70,7 +70,9 @@ def test_the_line_names_who_is_where(how, backend, ranks, tmp_path):
     assert status == EXIT_HUNG, output
     line = _lines(output, 0)[0]
     for rank in range(ranks):
-        assert _lines(output, rank) == [line], output
+        # a rank that left the job (rank 1, its barrier met by MPI) prints nothing more
+        left = rank == 1 and "rank 1 (vm) ended at " in line
+        assert _lines(output, rank) == ([] if left else [line]), output
     if how == "skip":
         assert f"rank 1 (vm) is in barrier #4 at {_line('hung.py', 'the barrier')}" in line \
             or f"rank 1 (vm) called barrier #4 at {_line('hung.py', 'the barrier')}" in line

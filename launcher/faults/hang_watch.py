@@ -180,6 +180,8 @@ class HangWatch:
         self._channel.broadcast("hang.where?", json.dumps(asked).encode())
         self._answer(json.dumps(asked).encode())
         answers = self._answers()
+        if {r for r, a in answers.items() if a is None} & set(self._silent()) - set(self._ended):
+            return None, directory  # it stopped while asked: the heartbeats report it
         wheres = []
         for rank, said in sorted(answers.items()):
             if said is not None:

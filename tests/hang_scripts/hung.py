@@ -27,8 +27,8 @@ with launcher.distributed(backend=backend, timeout_s=5, status_dir=run_dir) as j
             if how == "skip":
                 continue
             if how == "spin":
-                while True:  # the spin
-                    time.sleep(0.001)
+                while True:
+                    time.sleep(0.001)  # the spin
             if how == "lock":
                 lock = threading.Lock()
                 lock.acquire()
