@@ -4,9 +4,8 @@ A stopped process (SIGSTOP, a node frozen in swap, a hung file system) answers n
 raises nothing: only its silence tells. Each rank runs a thread that every ``BEAT_S`` sends a
 beat to every other rank and notes when it last heard from each. A rank not heard for
 ``SILENT_S`` is silent. The ranks' waits ask here, when their timeout passes, whether a peer is
-silent (``PeerLost`` naming its rank and node) or alive: then the ranks say where they are
-(``launcher.faults.hang_watch``): not meeting is named in one line; all in the same call (writing a
-checkpoint, evaluating), the wait goes on, up to ``BUSY_LIMIT`` times the timeout.
+silent (``PeerLost`` naming its rank and node) or alive and busy (writing a checkpoint,
+evaluating: the wait goes on, up to ``BUSY_LIMIT`` times the timeout).
 
 Beats travel over the rendezvous store when there is one (gloo, nccl: a counter per rank on a
 connection of its own; when the store stops answering, its host, rank 0, is the silent one) or,
