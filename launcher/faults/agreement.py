@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
 from launcher.core.errors import LaunchError
-from launcher.faults import heartbeat
+from launcher.faults import flight_recorder, heartbeat
 
 
 @contextmanager
@@ -33,7 +33,8 @@ def agree() -> Iterator[None]:
     """Collective: a LaunchError raised in the body on any rank is raised on every rank."""
     error: LaunchError | None = None
     try:
-        yield
+        with flight_recorder.working():  # the others wait here by design: busy, not hung
+            yield
     except LaunchError as exc:
         error = exc
     _settle(error)

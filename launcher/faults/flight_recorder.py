@@ -1,5 +1,5 @@
 """The flight recorder: the last collectives and point-to-point calls of each process group, on
-every rank and every backend, so that a hang can say who was where (``launcher.hang``).
+every rank and every backend, so that a hang can say who was where (``launcher.faults.hang_watch``).
 
 ``install()`` wraps the collective and point-to-point functions of ``torch.distributed`` (the
 API a training script and ``launcher`` call, whatever the backend: gloo, nccl, mpi, mpi4py).
@@ -15,8 +15,8 @@ start or end, and the frames it keeps end inside torch. What torch's recorder se
 does not: calls a C++ caller makes straight into the group (DDP's gradient buckets); their
 waits end up in the training loop's next recorded call or in the rank's stack.
 
-The cost, measured by ``python -m benchmarks.flight_recorder``: well under a microsecond a
-call (benchmarks/README.md).
+The cost, measured by ``python -m benchmarks.flight_recorder`` (benchmarks/README.md): a
+couple of microseconds a call on this project's shared 2-core VM, nothing on DDP's own calls.
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
 import torch.distributed as dist
@@ -218,6 +220,25 @@ def uninstall() -> None:
         setattr(dist, name, original)
     _originals.clear()
     _rings.clear()
+
+
+_working = 0
+
+
+@contextmanager
+def working() -> Iterator[None]:
+    """Mark a span that the other ranks wait for by design (``launcher.faults.agreement``'s
+    body: rank 0 writing a checkpoint): a rank found in one is busy, not hung."""
+    global _working
+    _working += 1
+    try:
+        yield
+    finally:
+        _working -= 1
+
+
+def is_working() -> bool:
+    return _working > 0
 
 
 def snapshot() -> list[dict]:

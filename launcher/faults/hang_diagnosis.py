@@ -8,7 +8,9 @@ last call from the flight recorder and its recent calls. ``diagnose`` decides, i
    from another line): collectives called in a different order;
 2. ranks that are not waiting (ended, elsewhere, not answering) while the others wait;
 3. ranks that wait in calls of different numbers (a rank made fewer calls);
-4. all wait in the same call: a long but legitimate call (None: the wait goes on).
+4. all wait in the same call, or wait for ranks busy in a span the others wait for by design
+   (``BUSY``: a checkpoint write inside ``launcher.faults.agreement.agree``): a long but
+   legitimate call (None: the wait goes on).
 
 Standard library only: ``python -m launcher.hang`` reads the files again anywhere.
 """
@@ -19,6 +21,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 WAITING, ELSEWHERE, ENDED, NO_ANSWER = "waiting", "elsewhere", "ended", "no answer"
+#: outside any collective in a span the others wait for by design (a checkpoint write)
+BUSY = "busy"
 
 
 @dataclass
@@ -138,6 +142,8 @@ def diagnose(wheres: Sequence[Where]) -> str | None:
         parts = [said(g, "called", "called") for g in minority]
         return (f"hang: {'; '.join(parts)} where {said(majority, 'called', 'called')}: "
                 f"collectives called in a different order; now {now}")
+    if others and all(w.kind == BUSY for w in others):
+        return None  # a checkpoint write, an agreement: the wait goes on
     if others:
         why = {_WHY.get(w.kind, "") for w in others}
         return f"hang: {now}: {why.pop() if len(why) == 1 else 'ranks do not meet'}"

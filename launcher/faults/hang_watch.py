@@ -36,7 +36,15 @@ from launcher.core.atomic import write_atomic
 from launcher.core.errors import EXIT_HUNG
 from launcher.faults import flight_recorder, stacks
 from launcher.faults.exit_status import record_hang
-from launcher.faults.hang_diagnosis import ELSEWHERE, ENDED, NO_ANSWER, WAITING, Where, diagnose
+from launcher.faults.hang_diagnosis import (
+    BUSY,
+    ELSEWHERE,
+    ENDED,
+    NO_ANSWER,
+    WAITING,
+    Where,
+    diagnose,
+)
 
 #: how long rank 0 waits for the ranks' answers; one that has not answered by then cannot
 ANSWER_S = 5.0
@@ -122,8 +130,8 @@ class HangWatch:
         asked = json.loads(payload)
         directory = Path(asked["dir"])
         entry = flight_recorder.current()
-        kind = WAITING if entry is not None and entry.state in ("running", "failed") \
-            else ELSEWHERE
+        kind = (WAITING if entry is not None and entry.state in ("running", "failed")
+                else BUSY if flight_recorder.is_working() else ELSEWHERE)
         where = self._where(kind, *stacks.main_thread_at())
         where.stack = str(directory / f"rank-{self.rank}.txt")
         _write_files(directory, where, stacks.all_threads())
