@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 
 from launcher.core.errors import EXIT_HUNG, EXIT_PEER_LOST
-
 from tests.fixtures.left_behind import LeftBehind
 from tests.fixtures.mpi import REPO_ROOT, clean_environ, mpiexec_path
 
