@@ -32,12 +32,13 @@ from launcher.faults import flight_recorder, heartbeat
 def agree() -> Iterator[None]:
     """Collective: a LaunchError raised in the body on any rank is raised on every rank."""
     error: LaunchError | None = None
-    try:
-        with flight_recorder.working():  # the others wait here by design: busy, not hung
+    # the ranks wait for each other here by design (rank 0 writing a checkpoint): busy, not hung
+    with flight_recorder.working():
+        try:
             yield
-    except LaunchError as exc:
-        error = exc
-    _settle(error)
+        except LaunchError as exc:
+            error = exc
+        _settle(error)
 
 
 def _settle(error: LaunchError | None) -> None:
