@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import sys
+import sysconfig
 import threading
 import time
 from collections import deque
@@ -48,11 +49,10 @@ _CALLS: dict[str, tuple[int | None, int | None]] = {
     "irecv": (0, 2), "batch_isend_irecv": (None, None),
 }
 #: the frames a call's place skips: torch's, this package's and the standard library's
-#: context managers
+#: (``python -m``'s runpy, context managers, thread waits), not the installed packages'
 _TORCH, _LAUNCHER = (os.path.dirname(os.path.abspath(sys.modules[m].__file__)) + os.sep
                      for m in ("torch", "launcher"))
-_STDLIB_WAITS = tuple(os.path.abspath(sys.modules[m].__file__) for m in ("contextlib",
-                                                                          "threading"))
+_STDLIB = os.path.abspath(sysconfig.get_paths()["stdlib"]) + os.sep
 
 
 @dataclass
@@ -112,12 +112,15 @@ _lock = threading.Lock()
 
 
 def _kind(code) -> int:
-    """0: the user's code, 1: launcher's, 2: torch's or contextlib's and threading's."""
+    """0: the user's code, 1: launcher's, 2: torch's or the standard library's."""
     kind = _kinds.get(code)
     if kind is None:
-        name = os.path.abspath(code.co_filename)
-        kind = _kinds[code] = (2 if name.startswith(_TORCH) or name in _STDLIB_WAITS
-                               else 1 if name.startswith(_LAUNCHER) else 0)
+        name = code.co_filename
+        path = os.path.abspath(name)
+        stdlib = name.startswith("<frozen") or (
+            path.startswith(_STDLIB) and "-packages" + os.sep not in path)
+        kind = _kinds[code] = (2 if stdlib or path.startswith(_TORCH)
+                               else 1 if path.startswith(_LAUNCHER) else 0)
     return kind
 
 

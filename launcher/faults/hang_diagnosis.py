@@ -110,13 +110,16 @@ def _other_text(w: Where, waiting: list[Where]) -> str:
         into = f" {waiting[0].call['op']} #{waiting[0].call['seq']}" if waiting else ""
         stack = f" (stack: {w.stack})" if w.stack else ""
         return f"{_who([w])} never entered{into}: it is at {w.at} in {w.function}{stack}"
+    if w.kind == BUSY:
+        return f"{_who([w])} is busy at {w.at} in {w.function} (inside an agreement){last}"
     return (f"{_who([w])} does not answer (stopped, or in a C call holding the GIL); "
             f"its last call: {_call(w.call) if w.call else 'none recorded'}")
 
 
 _WHY = {ENDED: "it left the job while the others wait",
         ELSEWHERE: "it does not reach the collective the others wait in",
-        NO_ANSWER: "it cannot say where it is"}
+        NO_ANSWER: "it cannot say where it is",
+        BUSY: "the others wait for it"}
 
 
 def diagnose(wheres: Sequence[Where]) -> str | None:

@@ -50,7 +50,9 @@ from launcher.faults.hang_diagnosis import (
 ANSWER_S = 5.0
 #: how long the ranks take to print the line before rank 0 ends (and with MPI, ends the job)
 ACK_S = 5.0
-#: how long a rank that asked waits for rank 0's answer before its own report goes on
+#: how long a rank that asked waits for rank 0's answer before its own report goes on: QUICK_S
+#: for rank 0 to start looking (or say there is nothing to look at), VERDICT_S in all
+QUICK_S = 3.0
 VERDICT_S = ANSWER_S + 5.0
 #: how long one read of the answers may wait (they are read again until ANSWER_S)
 READ_S = 1.0
@@ -81,7 +83,9 @@ class HangWatch:
         self._verdict: str | None = None
         #: set when rank 0 said there is nothing to tell (a lost peer, a long call)
         self._no_verdict = threading.Event()
-        channel.on("hang.where?", lambda m: _thread(self._answer, m.payload))
+        #: set when rank 0 asked where this rank is: a look is under way
+        self._looking = threading.Event()
+        channel.on("hang.where?", self._on_where)
         channel.on("hang.verdict", lambda m: _thread(self._take_verdict, m))
         channel.on("hang.none", lambda m: self._no_verdict.set())
         channel.on("hang.ack", self._count_ack)
@@ -98,6 +102,7 @@ class HangWatch:
             return
         self._asked_at = now
         self._no_verdict.clear()
+        self._looking.clear()
         if self.rank == DECIDER:
             _thread(self.decide)
         else:
@@ -110,7 +115,13 @@ class HangWatch:
             return  # nobody to decide: the heartbeats report it
         self._asked_at = -float("inf")
         self.check()
-        self._no_verdict.wait(VERDICT_S)
+        # rank 0 answers at once when the silent ranks did not end; else it asks every rank
+        # where it is first, which this rank sees (``_looking``)
+        start = time.monotonic()
+        while not self._no_verdict.wait(0.05):
+            waited = time.monotonic() - start
+            if waited > VERDICT_S or (waited > QUICK_S and not self._looking.is_set()):
+                return
 
     def ended(self) -> None:
         """This rank leaves the job in order: tell rank 0 where, for ranks that may still wait."""
@@ -127,6 +138,10 @@ class HangWatch:
         call = {} if entry is None else {k: getattr(entry, k) for k in ("op", "seq", "where",
                                                                         "state")}
         return Where(self.rank, self._channel.node(self.rank), kind, call, history, at, function)
+
+    def _on_where(self, message) -> None:
+        self._looking.set()
+        _thread(self._answer, message.payload)
 
     def _answer(self, payload: bytes) -> None:
         asked = json.loads(payload)
@@ -185,6 +200,7 @@ class HangWatch:
         directory = self.directory()
         if silent - set(self._ended):
             return None, directory  # the heartbeats report them (PeerLost, exit 3)
+        self._looking.set()
         self._round += 1
         asked = {"round": self._round, "dir": str(directory)}
         self._channel.broadcast("hang.where?", json.dumps(asked).encode())
