@@ -16,7 +16,7 @@ import pytest
 
 from ddp_tasks.batch_script import Batch, batch_script, node_range
 from ddp_tasks.launch_spec import Launch
-from launcher.core.errors import LaunchError
+from launcher.core.errors import EXIT_HUNG, LaunchError
 from tests.fixtures.golden import golden
 from tests.fixtures.requirements import missing
 
@@ -174,6 +174,16 @@ def test_a_status_file_outweighs_the_records(tmp_path):
     srun = _left_records((1, "n1", False, 60)).replace("exit 139", f"{LOST}; exit 139")
     result, calls = _run_stubbed(tmp_path, Batch(), srun, lost="n0")
     assert calls[-1] == "update JobId=4242 ExcNodeList=n0", result.stderr
+
+
+def test_a_hang_passes_on_without_requeue_whatever_the_records(tmp_path):
+    """Exit 4 (launcher.faults.hang_watch): ranks that did not meet, a bug in the script; the
+    ranks it ended leave their records, which must not name a lost node."""
+    hung = 'mkdir -p run; echo "4 hang: rank 1 (n1) is in barrier #4" > run/exit-status'
+    srun = _left_records((1, "n1", False, 60)).replace("exit 139", f"{hung}; exit 137")
+    result, calls = _run_stubbed(tmp_path, Batch(), srun)
+    assert result.returncode == EXIT_HUNG, result.stderr
+    assert calls == [] and _endings(tmp_path) == ["exit 4: passed on"], result.stderr
 
 
 def test_records_of_an_earlier_attempt_are_removed(tmp_path):

@@ -17,8 +17,9 @@
 device, watches for the preemption signal and always tears everything down. It also ends the
 process the way ``launcher.train`` does: a ``LaunchError`` prints ``error:`` and ``HINT:`` and
 exits 2 on every rank; an exception on one rank ends every rank within seconds, naming it
-(exit 70, ``launcher.faults.failfast``); a lost peer exits 3; ``exit_preempted`` exits 75 (130 after
-Ctrl-C, ``launcher.faults.preemption``).
+(exit 70, ``launcher.faults.failfast``); a lost peer exits 3; ranks alive but not meeting
+exit 4 with one line saying who is where (``launcher.faults.hang_watch``); ``exit_preempted``
+exits 75 (130 after Ctrl-C, ``launcher.faults.preemption``).
 """
 
 from __future__ import annotations
@@ -226,12 +227,14 @@ def distributed(backend: str = "auto", timeout_s: float = TIMEOUT_S,
     """Run the body as one rank of a distributed job (see the module docstring). With
     ``status_dir`` (the run directory), an ending other than success is also written to
     ``status_dir/exit-status`` for the batch script (``launcher.faults.exit_status``), and each rank
-    keeps a record there while it runs (``launcher.faults.rank_record``)."""
+    keeps a record there while it runs (``launcher.faults.rank_record``); a hang's post-mortem
+    goes to ``status_dir/hang``."""
     with exit_statuses():
         timeout_s = _checked_timeout(timeout_s)
         env = detect_environment()
         with _witnessed(status_dir, env), PreemptionWatch(env.preempt_signal, env.rank) as watch, \
-                process_group(env, backend, timeout_s) as ctx:
+                process_group(env, backend, timeout_s,
+                              None if status_dir is None else Path(status_dir)) as ctx:
             curves = (None if status_dir is None
                       else Curves(Path(status_dir) / "tensorboard", ctx.env.is_main))
             try:

@@ -31,6 +31,12 @@ EXIT_USER_ERROR = 2
 #: and ``--resume auto`` continues from the last checkpoint
 EXIT_PEER_LOST = 3
 
+#: exit status when the ranks are alive but do not meet (collectives called in a different
+#: order, a rank that ended or is stuck elsewhere while the others wait): one line on every
+#: rank says who is where (``launcher.faults.hang_watch``). A bug in the script, not a lost
+#: node: rerunning will not help, and batch scripts pass it on without requeueing
+EXIT_HUNG = 4
+
 #: exit status when a rank raised an exception nobody handled (a bug in a model, a dataset, a
 #: script): on that rank after its traceback, on every other rank after one line naming it
 #: (``launcher.faults.failfast``). sysexits' EX_SOFTWARE: rerunning will not help

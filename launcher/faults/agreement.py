@@ -25,18 +25,20 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
 from launcher.core.errors import LaunchError
-from launcher.faults import heartbeat
+from launcher.faults import flight_recorder, heartbeat
 
 
 @contextmanager
 def agree() -> Iterator[None]:
     """Collective: a LaunchError raised in the body on any rank is raised on every rank."""
     error: LaunchError | None = None
-    try:
-        yield
-    except LaunchError as exc:
-        error = exc
-    _settle(error)
+    # the ranks wait for each other here by design (rank 0 writing a checkpoint): busy, not hung
+    with flight_recorder.working():
+        try:
+            yield
+        except LaunchError as exc:
+            error = exc
+        _settle(error)
 
 
 def _settle(error: LaunchError | None) -> None:

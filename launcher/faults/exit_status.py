@@ -10,7 +10,8 @@ file's: one rule for srun, mpiexec and torchrun.
 Written only for the endings this package decides, atomically (``launcher.core.atomic``): an ending
 every rank agreed on (75, 130, a user error raised everywhere) by rank 0 alone, a lost peer (3)
 by every survivor (any of them may be the lost one's only witness), a rank's failure (70, 2)
-by the ranks that report it. A rank that is killed writes nothing: the launcher's status stands.
+by the ranks that report it, a hang (4) by rank 0, which decided it. A rank that is killed
+writes nothing: the launcher's status stands.
 
 A lost peer's node names (as Slurm knows them) go to ``<run-dir>/lost-nodes``, one per line,
 written before ``exit-status`` so that a script that finds the status finds the names too: the
@@ -26,6 +27,7 @@ from pathlib import Path
 
 from launcher.core.atomic import write_atomic
 from launcher.core.errors import (
+    EXIT_HUNG,
     EXIT_INTERRUPTED,
     EXIT_PEER_LOST,
     EXIT_USER_ERROR,
@@ -65,6 +67,11 @@ def recorded(run_dir: Path, rank: int) -> Iterator[None]:
         # a survivor that saw the failure before its watchdog ended it raises this too
         _write(run_dir, failed.status, "a rank failed: the job's log names it")
         raise
+
+
+def record_hang(run_dir: Path, line: str) -> None:
+    """The ranks do not meet (``launcher.faults.hang_watch``): written by rank 0, which decided."""
+    _write(run_dir, EXIT_HUNG, line)
 
 
 def _write(run_dir: Path, status: int, reason: str) -> None:

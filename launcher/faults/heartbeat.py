@@ -21,6 +21,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from launcher.core.errors import PeerLost
+from launcher.faults import hang_watch
 from launcher.faults.c10d_log import quiet_c10d
 from launcher.placement.env import JobEnv
 
@@ -203,7 +204,10 @@ def overdue(what: str, elapsed: float, timeout_s: float, rank: int) -> None:
     beat = current()
     silent = beat.silent() if beat is not None else []
     failed = (f"{what} did not complete within {timedelta(seconds=round(elapsed))} "
-              f"(this is rank {rank})")
+              f"(this is rank {rank}{hang_watch.in_call()})")
+    watch = hang_watch.current()
+    if watch is not None:  # alive but not meeting, or ended: said in one line, exit 4
+        watch.await_verdict() if silent else watch.check()
     if silent:
         raise beat.lost(failed, silent)
     if beat is None or elapsed > BUSY_LIMIT * timeout_s:

@@ -12,7 +12,7 @@ import re
 import torch.distributed as dist
 
 from launcher.core.errors import PeerLost
-from launcher.faults import heartbeat
+from launcher.faults import hang_watch, heartbeat
 from launcher.placement.env import JobEnv
 
 #: each rank's host name, set in the store at the rendezvous
@@ -50,10 +50,12 @@ def diagnose(env: JobEnv, backend: str, exc: BaseException) -> PeerLost:
     """``exc`` explained by the heartbeats (``launcher.faults.heartbeat``): which ranks fell silent.
     Beats outlive a broken group and a stopped peer alike, so no store is asked."""
     failed = (f"rank {env.rank} on {env.node_name} lost contact in the {backend} process "
-              f"group ({first_line(exc)})")
+              f"group{hang_watch.in_call()} ({first_line(exc)})")
     beat = heartbeat.current()
     if beat is None:
         return PeerLost(failed, heartbeat.HINT)
+    if (watch := hang_watch.current()) is not None:
+        watch.await_verdict()  # ranks alive but not meeting, or ended: one line, exit 4
     silent = beat.settle()
     if not silent:
         return PeerLost(f"{failed}: every rank still beats", heartbeat.HINT)

@@ -23,13 +23,14 @@ import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from launcher.core.defaults import TIMEOUT_S
 from launcher.core.errors import PeerLost, RankFailed, raised_everywhere
-from launcher.faults import failfast
+from launcher.faults import failfast, flight_recorder, hang_watch, heartbeat
 from launcher.faults.peer_lost import diagnose, is_communication_failure
 from launcher.group.backends import MPI4PY, BackendFacts, BackendPlan, plan
 from launcher.group.gpu_sharing import nccl_unless_gpus_are_shared
@@ -61,9 +62,13 @@ def bind_device(env: JobEnv, cuda_available: bool) -> torch.device:
 
 @contextmanager
 def process_group(
-    env: JobEnv, backend: str = "auto", timeout_s: float = TIMEOUT_S
+    env: JobEnv, backend: str = "auto", timeout_s: float = TIMEOUT_S,
+    run_dir: Path | None = None
 ) -> Iterator[DistContext]:
     """Initialise torch.distributed for ``env``; tear it down on exit whatever happens.
+
+    Every collective is recorded (``launcher.faults.flight_recorder``); ranks alive but not meeting
+    are found and named (``launcher.faults.hang_watch``), with their stacks under ``run_dir/hang``.
 
     A communication failure inside the body (a peer died, the network was cut, a collective
     timed out) comes out as ``PeerLost`` naming the ranks and nodes whose heartbeats stopped.
@@ -76,6 +81,8 @@ def process_group(
     timeout = timedelta(seconds=timeout_s)
     env, name, store = _start(env, chosen, device, timeout)
     watchdog = failfast.start(env, store)
+    flight_recorder.install()
+    hang_watch.start(run_dir, timeout_s, _silent, failfast.end_process)
     healthy = True
     failure: BaseException | None = None
     try:
@@ -96,6 +103,9 @@ def process_group(
         # a lost or failed peer may hold up an orderly tear-down: the caller ends the process
         # instead (launcher.core.errors.report_and_exit, launcher.faults.failfast.end_process)
         if healthy:
+            if (watch := hang_watch.current()) is not None:
+                watch.ended()  # for ranks that may still wait for this one
+                hang_watch.stop()
             watchdog.close()
             if dist.is_initialized():
                 _release_users_of_the_group(failure)
@@ -123,6 +133,11 @@ def _start(env: JobEnv, chosen: BackendPlan, device: torch.device,
                 name = nccl_unless_gpus_are_shared(env, store, device, chosen.if_gpu_shared)
         _init(env, name, store, timeout)
     return env, name, store
+
+
+def _silent() -> list[int]:
+    beat = heartbeat.current()
+    return [] if beat is None else beat.silent()
 
 
 def _release_users_of_the_group(failure: BaseException | None) -> None:

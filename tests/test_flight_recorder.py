@@ -1,0 +1,80 @@
+"""The flight recorder (launcher.flight_recorder) in a real one-rank gloo group."""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from launcher.faults import flight_recorder as fr
+
+
+@pytest.fixture
+def group(monkeypatch):
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    fr.install()
+    yield
+    fr.uninstall()
+    dist.destroy_process_group()
+
+
+def _line(marker: str) -> int:
+    with open(__file__) as source:
+        return next(n for n, text in enumerate(source, 1)
+                    if marker in text and "_line(" not in text)
+
+
+def test_each_call_is_recorded_with_its_caller(group):
+    tensor = torch.ones(4, 2)
+    dist.all_reduce(tensor)  # first call
+    dist.barrier()  # second call
+    entries = fr.snapshot()
+    assert [(e["seq"], e["op"], e["state"]) for e in entries] == [
+        (1, "all_reduce", "done"), (2, "barrier", "done")]
+    first = entries[0]
+    assert first["shape"] == [4, 2] and first["dtype"] == "float32"
+    assert first["where"].endswith(f"test_flight_recorder.py:{_line('# first call')}")
+    assert first["function"] == "test_each_call_is_recorded_with_its_caller"
+    assert first["start_ns"] <= first["end_ns"]
+
+
+def test_object_collectives_count_once(group):
+    gathered = [None]
+    dist.all_gather_object(gathered, {"a": 1})
+    assert [e["op"] for e in fr.snapshot()] == ["all_gather_object"]
+
+
+def test_a_call_under_way_is_current(group, monkeypatch):
+    entered, release = threading.Event(), threading.Event()
+
+    def blocking(*args, **kwargs):
+        entered.set()
+        release.wait(10)
+
+    monkeypatch.setattr(dist, "broadcast", fr._wrap("broadcast", blocking, 0, 2))
+    caller = threading.Thread(target=lambda: dist.broadcast(torch.zeros(3), 0))
+    caller.start()
+    entered.wait(10)
+    try:
+        now = fr.current()
+        assert (now.op, now.seq, now.state, now.end_ns) == ("broadcast", 1, "running", None)
+    finally:
+        release.set()
+        caller.join()
+    assert fr.current().state == "done"
+
+
+def test_only_the_last_entries_stay(group):
+    tensor = torch.ones(1)
+    for _ in range(fr.CAPACITY + 5):
+        dist.all_reduce(tensor)
+    seqs = [e["seq"] for e in fr.snapshot()]
+    assert len(seqs) == fr.CAPACITY and seqs[-1] == fr.CAPACITY + 5
