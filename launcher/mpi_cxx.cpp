@@ -75,6 +75,28 @@ int count(int64_t n, const char* op) {
 
 bool isHalf(at::ScalarType t) { return t == at::kHalf || t == at::kBFloat16; }
 
+// as Python writes it, for errors (torch's own table is not exported to extensions)
+std::string dtypeName(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return "torch.float32";
+    case at::kDouble: return "torch.float64";
+    case at::kHalf: return "torch.float16";
+    case at::kBFloat16: return "torch.bfloat16";
+    case at::kComplexFloat: return "torch.complex64";
+    case at::kComplexDouble: return "torch.complex128";
+    case at::kChar: return "torch.int8";
+    case at::kShort: return "torch.int16";
+    case at::kInt: return "torch.int32";
+    case at::kLong: return "torch.int64";
+    case at::kByte: return "torch.uint8";
+    case at::kUInt16: return "torch.uint16";
+    case at::kUInt32: return "torch.uint32";
+    case at::kUInt64: return "torch.uint64";
+    case at::kBool: return "torch.bool";
+    default: return c10::toString(t);
+  }
+}
+
 MPI_Datatype datatype(at::ScalarType t) {
   switch (t) {
     case at::kFloat: return MPI_FLOAT;
@@ -97,8 +119,8 @@ MPI_Datatype datatype(at::ScalarType t) {
     case at::kUInt64: return MPI_UINT64_T;
     case at::kBool: return MPI_C_BOOL;
     default:
-      raiseLaunchError(std::string("the ") + kName + " backend cannot move " +
-                           c10::toString(t) + " tensors",
+      raiseLaunchError(std::string("the ") + kName + " backend cannot move " + dtypeName(t) +
+                           " tensors",
                        "cast the tensor to a float, integer, bool or complex dtype");
   }
 }
@@ -132,7 +154,7 @@ Reduction reduction(at::ScalarType t, const ReduceOp& rop) {
   const bool isBool = t == at::kBool;
   const bool isFloat = at::isFloatingType(t) || at::isComplexType(t);
   const bool isComplex = at::isComplexType(t);
-  Reduction r{MPI_OP_NULL, isHalf(t) && !g_native_half ? at::kFloat : t};
+  Reduction r{MPI_OP_NULL, t};
   bool ok = true;
   if (isBool) {
     switch (k) {
@@ -167,9 +189,11 @@ Reduction reduction(at::ScalarType t, const ReduceOp& rop) {
       default: ok = false;
     }
   }
+  // MPICH sums its 16-bit float types natively but fails an assertion on MIN/MAX/PROD of them
+  if (isHalf(t) && !(g_native_half && r.op == MPI_SUM)) r.compute = at::kFloat;
   if (!ok) {
-    raiseLaunchError(std::string("the ") + kName + " backend cannot reduce " +
-                         c10::toString(t) + " tensors with ReduceOp." + opName(k),
+    raiseLaunchError(std::string("the ") + kName + " backend cannot reduce " + dtypeName(t) +
+                         " tensors with ReduceOp." + opName(k),
                      "use SUM/PRODUCT/MIN/MAX, AVG and PREMUL_SUM only for floating dtypes, "
                      "BAND/BOR/BXOR only for integer and bool dtypes, no MIN/MAX for complex; "
                      "cast the tensor if needed");
