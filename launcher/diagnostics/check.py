@@ -46,6 +46,8 @@ class CollectiveResult:
     backend: str
     ping_pong_us: dict[int, float]
     errors: tuple[str, ...]
+    #: for --backend mpi: which implementation this rank runs, and why
+    implementation: str = ""
 
 
 def check_collectives(ctx: DistContext) -> CollectiveResult:
@@ -79,7 +81,7 @@ def check_collectives(ctx: DistContext) -> CollectiveResult:
     dist.all_reduce(highest, op=dist.ReduceOp.MAX)
     if highest.item() != world - 1:
         errors.append(f"all_reduce MAX on rank {rank} gave {highest.item()}, not {world - 1}")
-    return CollectiveResult(ctx.backend, latencies, tuple(errors))
+    return CollectiveResult(ctx.backend, latencies, tuple(errors), ctx.implementation)
 
 
 def run_check(env: JobEnv, backends: list[str], timeout_s: float, as_json: bool) -> int:
@@ -97,7 +99,9 @@ def run_check(env: JobEnv, backends: list[str], timeout_s: float, as_json: bool)
                 say(format_table(reports), flush=True)
             results = gather(check_collectives(ctx))
         errors = [f"{ctx.backend}: {e}" for result in results for e in result.errors]
-        problems += errors
+        problems += errors + mixed_implementations(results)
+        if results[0].implementation:
+            say(f"{backend}: rank 0 runs {results[0].implementation}", flush=True)
         latencies = results[0].ping_pong_us
         summary["backends"][ctx.backend] = {"ping_pong_us": latencies, "ok": not errors}
         worst = max(latencies.values(), default=0.0)
@@ -112,6 +116,17 @@ def run_check(env: JobEnv, backends: list[str], timeout_s: float, as_json: bool)
     if env.is_main and as_json:
         print(json.dumps(summary, sort_keys=True), flush=True)
     return 0 if not problems else EXIT_CHECK_FAILED
+
+
+def mixed_implementations(results: list[CollectiveResult]) -> list[str]:
+    """One problem line when the ranks run different implementations of one backend."""
+    ranks: dict[str, list[int]] = {}
+    for rank, result in enumerate(results):
+        ranks.setdefault(result.backend, []).append(rank)
+    if len(ranks) < 2:
+        return []
+    which = "; ".join(f"{name} on rank(s) {', '.join(map(str, r))}" for name, r in ranks.items())
+    return [f"the ranks run different implementations of one backend: {which}"]
 
 
 def _quiet(*_args: object, **_kwargs: object) -> None:
