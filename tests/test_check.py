@@ -97,7 +97,7 @@ def test_a_rank_in_another_image_fails_the_check_on_every_rank():
 def test_ranks_on_different_mpi_implementations_fail_the_check():
     """Rank 1 told to take the Python backend, rank 0 the compiled one: one problem line."""
     if not mpi_cxx.built_path().exists():
-        pytest.skip("the compiled mpi backend is not built (python -m launcher.mpi_cxx)")
+        pytest.skip("the compiled mpi backend is not built (python -m launcher.mpi.cxx)")
     args = [sys.executable, "-m", "launcher.check", "--backend", "mpi"]
     result = run_mpi(
         1, [*args[1:]], timeout=120,

@@ -46,7 +46,7 @@ def by_rank(objects: list[dict], ranks: int, **match) -> list[dict]:
 def impl(request, monkeypatch) -> str:
     """Both implementations of the mpi backend: the Python one and the compiled one."""
     if request.param == "cxx" and not mpi_cxx.built_path().exists():
-        pytest.skip("the compiled mpi backend is not built (python -m launcher.mpi_cxx)")
+        pytest.skip("the compiled mpi backend is not built (python -m launcher.mpi.cxx)")
     monkeypatch.setenv("DDP_MPI_IMPL", request.param)
     return request.param
 

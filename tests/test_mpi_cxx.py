@@ -35,7 +35,7 @@ def test_not_built_falls_back_to_python_in_one_line(empty_dir):
     choice = mpi_cxx.choose("auto")
     assert choice.name == "mpi4py"
     assert choice.reason == (f"the Python mpi backend: the compiled mpi backend is not built in "
-                             f"{empty_dir} (./scripts/bootstrap.sh or python -m launcher.mpi_cxx "
+                             f"{empty_dir} (./scripts/bootstrap.sh or python -m launcher.mpi.cxx "
                              "builds it)")
     assert "\n" not in choice.reason
 

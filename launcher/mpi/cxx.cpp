@@ -1,5 +1,5 @@
 // The mpi backend as compiled code: a c10d::Backend on an MPI communicator that Python made
-// (launcher/mpi_cxx.py builds, loads and registers it; launcher/mpi_backend.py makes the
+// (launcher/mpi/cxx.py builds, loads and registers it; launcher/mpi/backend.py makes the
 // communicator and checks the world and the transport, as for its own Python backend).
 //
 // Collectives go into a FIFO per group and a progress thread starts them, non-blocking, one
@@ -869,7 +869,7 @@ c10::intrusive_ptr<c10d::Backend> create(uint64_t handle, int rank, int size, do
   return c10::make_intrusive<MpiBackend>(comm, rank, size, timeout, std::move(overdue));
 }
 
-// The library this module runs on, as MPI names it: launcher/mpi_cxx.py compares it with
+// The library this module runs on, as MPI names it: launcher/mpi/cxx.py compares it with
 // mpi4py's, so that the two never run on different libraries.
 std::string libraryVersion() {
   char text[MPI_MAX_LIBRARY_VERSION_STRING];
