@@ -7,6 +7,7 @@ both implementations); training hashes in tests/test_train.py.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -19,6 +20,7 @@ from launcher.core.errors import LaunchError
 from launcher.mpi import cxx as mpi_cxx
 from tests.fixtures.mpi import REPO_ROOT, clean_environ, run_mpi
 
+HASH = re.compile(r"param-sha256 rank=(\d+) ([0-9a-f]{64})")
 needs_build = pytest.mark.skipif(not mpi_cxx.built_path().exists(),
                                  reason="the compiled mpi backend is not built "
                                         "(python -m launcher.mpi.cxx)")
@@ -97,3 +99,22 @@ def test_launcher_check_says_which_implementation_runs():
     assert fallback.returncode == 0, fallback.output
     assert "mpi: rank 0 runs the Python mpi backend: the compiled mpi backend is not built" \
         in fallback.stdout
+
+
+@needs_build
+@pytest.mark.mpi
+def test_training_ends_with_the_same_hash_on_both_implementations(tmp_path):
+    """``launcher.train --backend mpi``, 2 ranks, the same seed: the compiled backend (required
+    here: DDP_MPI_IMPL=cxx fails where it cannot run) and the Python one agree to the bit."""
+    flags = ["-m", "launcher.train", "--data-dir", str(tmp_path / "data"), "--backend", "mpi",
+             "--global-batch-size", "16", "--max-steps", "30", "--log-every", "10",
+             "--checkpoint-every", "0"]
+    digests = {}
+    for impl in ("cxx", "python"):
+        result = run_mpi(2, [*flags, "--run-dir", str(tmp_path / impl)], timeout=240,
+                         env={"DDP_MPI_IMPL": impl})
+        assert result.returncode == 0, result.output
+        found = dict(HASH.findall(result.stdout))
+        assert sorted(found) == ["0", "1"] and len(set(found.values())) == 1, result.output
+        digests[impl] = found["0"]
+    assert digests["cxx"] == digests["python"]
