@@ -103,7 +103,8 @@ def run_check(env: JobEnv, backends: list[str], timeout_s: float, as_json: bool)
         if results[0].implementation:
             say(f"{backend}: rank 0 runs {results[0].implementation}", flush=True)
         latencies = results[0].ping_pong_us
-        summary["backends"][ctx.backend] = {"ping_pong_us": latencies, "ok": not errors}
+        summary["backends"][ctx.backend] = {"ping_pong_us": latencies, "ok": not errors,
+                                             "implementation": results[0].implementation}
         worst = max(latencies.values(), default=0.0)
         say(f"{ctx.backend}: ping-pong with {len(latencies)} peer(s), worst one-way "
             f"{worst:.0f} us; all_reduce {'WRONG' if errors else 'ok'}", flush=True)
