@@ -66,8 +66,10 @@ def rand(shape, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
         return torch.randn(shape, dtype=dtype, generator=gen)
     if dtype.is_floating_point:
         return torch.randn(shape, generator=gen).to(dtype)
-    low = -4 if dtype.is_signed else 0
-    return torch.randint(low, 5, shape, generator=gen).to(dtype)
+    # |values| <= 4, and small enough that a PRODUCT over every rank fits in 8 bits (GLOO_PROXY)
+    bound = min(4, int(127 ** (1 / SIZE)))
+    low = -bound if dtype.is_signed else 0
+    return torch.randint(low, bound + 1, shape, generator=gen).to(dtype)
 
 
 def tensor(shape, dtype, noncontig: bool, gen: torch.Generator) -> torch.Tensor:

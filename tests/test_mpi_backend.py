@@ -92,7 +92,7 @@ def test_unsupported_reductions_name_the_dtype_and_op(dtype, op):
 
 @pytest.mark.mpi
 @pytest.mark.parametrize(("ranks", "default", "algorithm"), [
-    (2, "gloo-default", "auto"), (3, "mpi4py-default", "auto"),
+    (2, "gloo-default", "auto"), (3, "mpi4py-default", "auto"), (4, "gloo-default", "auto"),
     # what the launcher picks for the bundled MPICH across nodes (launcher/mpi/library.py)
     (3, "mpi4py-default", "tsp_ring")])
 def test_every_op_and_dtype_matches_gloo(ranks, default, algorithm, impl):
