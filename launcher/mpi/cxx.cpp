@@ -279,14 +279,21 @@ class CollectiveWork : public c10d::Work {
   std::vector<Tensor> outputs_;
 };
 
-// Lets go of a Python object from any thread; at interpreter exit it is left to leak.
-void drop(py::function& f) {
-  if (!Py_IsInitialized()) {
-    f.release();
-    return;
-  }
-  py::gil_scoped_acquire gil;
-  f = py::function();
+// The timeout callback, shared by a group and its works without taking the GIL for each
+// copy; the last owner lets go of it with the GIL (at interpreter exit it is left to leak).
+using Overdue = std::shared_ptr<py::function>;
+
+Overdue shareOverdue(py::function f) {
+  return Overdue(new py::function(std::move(f)), [](py::function* p) {
+    if (!Py_IsInitialized()) {
+      p->release();
+    } else {
+      py::gil_scoped_acquire gil;
+      p->dec_ref();
+      p->release();
+    }
+    delete p;
+  });
 }
 
 // Polls ``request`` until done, asking ``overdue`` past the timeout (see the file comment).
@@ -319,16 +326,14 @@ void poll(MPI_Request* request, MPI_Status* status, const std::string& what,
 class P2PWork : public c10d::Work {
  public:
   P2PWork(MPI_Request request, Tensor buf, std::optional<Tensor> target, std::string what,
-          std::chrono::milliseconds timeout, py::function overdue, c10d::OpType type)
+          std::chrono::milliseconds timeout, Overdue overdue, c10d::OpType type)
       : Work(-1, type), request_(request), buf_(std::move(buf)), target_(std::move(target)),
         what_(std::move(what)), timeout_(timeout), overdue_(std::move(overdue)) {}
-
-  ~P2PWork() override { drop(overdue_); }
 
   bool wait(std::chrono::milliseconds /* timeout */) override {
     std::lock_guard<std::mutex> lock(mu_);
     if (!done_) {
-      poll(&request_, &status_, what_, timeout_, overdue_);
+      poll(&request_, &status_, what_, timeout_, *overdue_);
       finishLocked();
     }
     return true;
@@ -371,7 +376,7 @@ class P2PWork : public c10d::Work {
   std::optional<Tensor> target_;
   std::string what_;
   std::chrono::milliseconds timeout_;
-  py::function overdue_;
+  Overdue overdue_;
   bool done_ = false;
 };
 
@@ -381,15 +386,13 @@ class MpiBackend : public c10d::Backend {
  public:
   MpiBackend(MPI_Comm comm, int rank, int size, std::chrono::milliseconds timeout,
              py::function overdue)
-      : Backend(rank, size), comm_(comm), timeout_(timeout), overdue_(std::move(overdue)) {
+      : Backend(rank, size), comm_(comm), timeout_(timeout),
+        overdue_(shareOverdue(std::move(overdue))) {
     check(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler");
     thread_ = std::thread([this] { loop(); });
   }
 
-  ~MpiBackend() override {
-    stop();
-    drop(overdue_);
-  }
+  ~MpiBackend() override { stop(); }
 
   const std::string getBackendName() const override { return kName; }
   void setTimeout(std::chrono::milliseconds timeout) override { timeout_ = timeout; }
@@ -754,7 +757,6 @@ class MpiBackend : public c10d::Backend {
 
   c10::intrusive_ptr<c10d::Work> p2p(MPI_Request q, Tensor buf, std::optional<Tensor> target,
                                      std::string what, c10d::OpType type) {
-    py::gil_scoped_acquire gil;  // the Work holds a reference to the callback
     return c10::make_intrusive<P2PWork>(q, std::move(buf), std::move(target), std::move(what),
                                         timeout_, overdue_, type);
   }
@@ -794,7 +796,7 @@ class MpiBackend : public c10d::Backend {
       MPI_Request q = MPI_REQUEST_NULL;
       check(op.stages[i](&q), op.name);
       poll(&q, MPI_STATUS_IGNORE, op.name + " on a group of " + std::to_string(size_) + " ranks",
-           op.timeout, overdue_);
+           op.timeout, *overdue_);
     }
     if (op.finish) {
       at::NoGradGuard noGrad;  // the outputs may be leaves that require grad (parameters)
@@ -850,7 +852,7 @@ class MpiBackend : public c10d::Backend {
 
   MPI_Comm comm_;
   std::chrono::milliseconds timeout_;
-  py::function overdue_;
+  Overdue overdue_;
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<Op> queue_;
