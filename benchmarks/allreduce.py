@@ -1,4 +1,5 @@
-"""all_reduce and point-to-point latency: the mpi4py backend vs gloo vs raw mpi4py, one run.
+"""all_reduce and point-to-point latency: the compiled mpi backend (mpi_cxx, where it is built)
+vs the Python one (mpi4py) vs gloo vs raw mpi4py, one run.
 
     .venv/bin/mpiexec -n 2 .venv/bin/python -m benchmarks.allreduce \
         --json benchmarks/results/allreduce.json
@@ -52,6 +53,7 @@ from benchmarks.floor import floor
 from benchmarks.timing import COMM, measure
 from benchmarks.units import bus_factor, human
 from launcher.mpi import backend as mpi_backend
+from launcher.mpi import cxx as mpi_cxx
 from launcher.training.models import cnn  # noqa: E402
 
 SIZES = [4 << 10 << (2 * i) for i in range(8)]  # 4 KiB, 16 KiB, ..., 64 MiB
@@ -59,7 +61,8 @@ SIZES = [4 << 10 << (2 * i) for i in range(8)]  # 4 KiB, 16 KiB, ..., 64 MiB
 BUSY_BYTES = 4 * sum(p.numel() for p in cnn().parameters())
 #: one unit of compute between busy calls: a 256 x 256 matrix product, ~0.4 ms on one core
 BUSY_UNIT = 256
-CONTENDERS = ("mpi4py", "gloo", "raw")
+#: the contenders: the backends init_groups made (mpi_cxx only where it is built), then raw
+CONTENDERS: tuple[str, ...] = ()
 
 
 def parse_args() -> argparse.Namespace:
@@ -74,8 +77,9 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def init_groups() -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
-    """gloo as the default group (its port chosen on rank 0, sent over MPI), mpi4py beside it."""
+def init_groups() -> dict[str, dist.ProcessGroup]:
+    """gloo as the default group (its port chosen on rank 0, sent over MPI), the mpi backends
+    beside it: the compiled one where it is built, and the Python one."""
     port = None
     if COMM.rank == 0:
         with socket.socket() as s:
@@ -85,27 +89,32 @@ def init_groups() -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
     os.environ["MASTER_PORT"] = str(COMM.bcast(port, root=0))
     timeout = datetime.timedelta(minutes=5)
     dist.init_process_group("gloo", rank=COMM.rank, world_size=COMM.size, timeout=timeout)
-    ours = dist.new_group(backend=mpi_backend.register(), timeout=timeout)
-    return dist.group.WORLD, ours
+    groups = {}
+    if mpi_cxx.choose().name == mpi_cxx.BACKEND_NAME:
+        groups[mpi_cxx.BACKEND_NAME] = dist.new_group(backend=mpi_cxx.BACKEND_NAME,
+                                                      timeout=timeout)
+    groups["mpi4py"] = dist.new_group(backend=mpi_backend.register(), timeout=timeout)
+    groups["gloo"] = dist.group.WORLD
+    return groups
 
 
-def allreduce_ops(nbytes: int, gloo, ours) -> dict:
+def allreduce_ops(nbytes: int, groups: dict) -> dict:
     """One all_reduce of ``nbytes`` per contender, each on its own buffer of zeros (sums stay
     finite however often they run)."""
-    mine, theirs = torch.zeros(nbytes // 4), torch.zeros(nbytes // 4)
+    def over(group):
+        buf = torch.zeros(nbytes // 4)
+        return lambda: dist.all_reduce(buf, group=group)
+
     raw = torch.zeros(nbytes // 4).numpy()
-    return {
-        "mpi4py": lambda: dist.all_reduce(mine, group=ours),
-        "gloo": lambda: dist.all_reduce(theirs, group=gloo),
-        "raw": lambda: COMM.Allreduce(MPI.IN_PLACE, raw, op=MPI.SUM),
-    }
+    return {**{name: over(g) for name, g in groups.items()},
+            "raw": lambda: COMM.Allreduce(MPI.IN_PLACE, raw, op=MPI.SUM)}
 
 
-def allreduce_table(gloo, ours, args, limits: dict[str, float]) -> list[dict]:
+def allreduce_table(groups, args, limits: dict[str, float]) -> list[dict]:
     link_GBps = limits["link_GBps"]
     rows = []
     for nbytes in SIZES:
-        stats = measure(allreduce_ops(nbytes, gloo, ours), args)
+        stats = measure(allreduce_ops(nbytes, groups), args)
         row = {"bytes": nbytes,
                "floor_us": bus_factor(COMM.size) * nbytes / link_GBps / 1e3}
         for name in CONTENDERS:
@@ -122,17 +131,21 @@ def allreduce_table(gloo, ours, args, limits: dict[str, float]) -> list[dict]:
             mine = stats["mpi4py"][stat]
             row[f"vs_raw_{stat}"] = stats["raw"][stat] / mine  # 1.0: as fast as raw mpi4py
             row[f"vs_gloo_{stat}"] = stats["gloo"][stat] / mine  # > 1: faster than gloo
+            if "mpi_cxx" in stats:
+                cxx = stats["mpi_cxx"][stat]
+                row[f"mpi_cxx_vs_raw_{stat}"] = stats["raw"][stat] / cxx
+                row[f"mpi_cxx_vs_mpi4py_{stat}"] = mine / cxx  # > 1: faster than Python's
         rows.append(row)
     return rows
 
 
-def busy_allreduce(gloo, ours, args) -> dict[str, dict[str, float]]:
+def busy_allreduce(groups, args) -> dict[str, dict[str, float]]:
     """Latency after the last rank's arrival of an all_reduce between rounds of compute."""
     torch.set_num_threads(1)  # one core per rank, as benchmarks/train_scaling.py runs them
     a = torch.randn(BUSY_UNIT, BUSY_UNIT)
     units = 20 + 4 * COMM.rank
     result = {}
-    for name, op in allreduce_ops(BUSY_BYTES, gloo, ours).items():
+    for name, op in allreduce_ops(BUSY_BYTES, groups).items():
         times = np.empty(args.busy_calls)
         COMM.Barrier()
         for i in range(args.busy_calls):
@@ -149,12 +162,14 @@ def busy_allreduce(gloo, ours, args) -> dict[str, dict[str, float]]:
     return result
 
 
-def pingpong_ops(gloo, ours) -> dict:
+def pingpong_ops(groups) -> dict:
     """A 4-byte round trip between ranks 0 and 1 per contender (other ranks idle)."""
     me = COMM.rank
-    mine, theirs, raw = torch.zeros(1), torch.zeros(1), np.zeros(1, dtype=np.float32)
+    raw = np.zeros(1, dtype=np.float32)
 
-    def over(group, tensor):
+    def over(group):
+        tensor = torch.zeros(1)
+
         def run():
             if me == 0:
                 dist.send(tensor, 1, group=group)
@@ -172,7 +187,7 @@ def pingpong_ops(gloo, ours) -> dict:
             COMM.Recv(raw, source=0)
             COMM.Send(raw, dest=0)
 
-    return {"mpi4py": over(ours, mine), "gloo": over(gloo, theirs), "raw": raw_run}
+    return {**{name: over(g) for name, g in groups.items()}, "raw": raw_run}
 
 
 def print_table(rows: list[dict], latency: dict, busy: dict, limits: dict) -> None:
@@ -181,9 +196,11 @@ def print_table(rows: list[dict], latency: dict, busy: dict, limits: dict) -> No
           f"Sendrecv in a ring), memcpy {limits['memcpy_GBps']:.2f} GB/s (one core)")
     print(f"all_reduce float32, {COMM.size} ranks: median (best) microseconds per call, "
           f"bus GB/s of the median")
-    header = (f"{'size':>6} | {'floor us':>8} | {'mpi4py':>17} {'busbw':>5} | "
-              f"{'gloo':>17} {'busbw':>5} | {'raw mpi4py':>17} {'busbw':>5} | "
-              f"{'vs link':>7} | {'vs exch':>7} | {'vs raw':>11} | {'vs gloo':>13}")
+    cxx = "mpi_cxx" in CONTENDERS
+    header = (f"{'size':>6} | {'floor us':>8} | "
+              + " | ".join(f"{n:>17} {'busbw':>5}" for n in CONTENDERS) + " | "
+              f"{'vs link':>7} | {'vs exch':>7} | {'vs raw':>11} | {'vs gloo':>13}"
+              + (f" | {'cxx vs raw':>11} | {'cxx vs py':>11}" if cxx else ""))
     print(header)
     print("-" * len(header))
     for r in rows:
@@ -193,10 +210,14 @@ def print_table(rows: list[dict], latency: dict, busy: dict, limits: dict) -> No
               + f" | {r['mpi4py_vs_link_median']:>7.2f}"
               + f" | {r['mpi4py_vs_exchange_median']:>7.2f}"
               + f" | {r['vs_raw_median']:>4.2f} ({r['vs_raw_best']:>4.2f})"
-              + f" | {r['vs_gloo_median']:>5.1f}x ({r['vs_gloo_best']:>4.1f}x)")
+              + f" | {r['vs_gloo_median']:>5.1f}x ({r['vs_gloo_best']:>4.1f}x)"
+              + (f" | {r['mpi_cxx_vs_raw_median']:>4.2f} ({r['mpi_cxx_vs_raw_best']:>4.2f})"
+                 f" | {r['mpi_cxx_vs_mpi4py_median']:>4.2f} ({r['mpi_cxx_vs_mpi4py_best']:>4.2f})"
+                 if cxx else ""))
     print("vs link = mpi4py busbw / link (1.0 = at the floor); vs exch = mpi4py busbw / the "
           "exchange's bandwidth; vs raw = raw time / mpi4py time "
-          "(1.0 = as fast as raw mpi4py); vs gloo = gloo time / mpi4py time (> 1 = faster)")
+          "(1.0 = as fast as raw mpi4py); vs gloo = gloo time / mpi4py time (> 1 = faster); "
+          "cxx vs raw, cxx vs py: the same for mpi_cxx against raw and against mpi4py")
     print("\nping-pong, 4 bytes, half round trip, median (best) us: "
           + ", ".join(f"{n} {latency[n]['median'] / 2 * 1e6:.1f} "
                       f"({latency[n]['best'] / 2 * 1e6:.1f})" for n in CONTENDERS))
@@ -220,12 +241,14 @@ def _plot_if_possible(path: Path) -> None:
 
 
 def main() -> None:
+    global CONTENDERS
     args = parse_args()
-    gloo, ours = init_groups()
+    groups = init_groups()
+    CONTENDERS = (*groups, "raw")
     limits = floor(args)
-    rows = allreduce_table(gloo, ours, args, limits)
-    latency = measure(pingpong_ops(gloo, ours), args)
-    busy = busy_allreduce(gloo, ours, args)
+    rows = allreduce_table(groups, args, limits)
+    latency = measure(pingpong_ops(groups), args)
+    busy = busy_allreduce(groups, args)
     hosts = COMM.gather(socket.gethostname())
     if COMM.rank == 0:
         print_table(rows, latency, busy, limits)

@@ -86,6 +86,19 @@ make_venv() {
     echo "$stamp" >"$VENV/.bootstrap-stamp"
 }
 
+# --backend mpi compiled (launcher/mpi/cxx.py): built once per source and torch version; without
+# a compiler, or if it fails, the Python implementation runs instead (launcher.check says which)
+build_mpi_backend() {
+    if ! command -v "${CXX:-c++}" >/dev/null; then
+        echo "bootstrap: no C++ compiler: --backend mpi will run its Python implementation" \
+            "(apt-get install g++, then re-run)"
+        return
+    fi
+    (cd / && "$VENV/bin/python" -m launcher.mpi.cxx) ||
+        echo "bootstrap: warning: the compiled mpi backend did not build; --backend mpi will" \
+            "run its Python implementation (details: $VENV/bin/python -m launcher.mpi.cxx --verbose)"
+}
+
 (($# <= 1)) || die "too many arguments: $*" "./scripts/bootstrap.sh [--system]"
 case ${1:-} in
     "") ;;
@@ -97,3 +110,4 @@ case ${1:-} in
     *) die "unknown option '$1'" "./scripts/bootstrap.sh [--system]" ;;
 esac
 make_venv
+build_mpi_backend

@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
+import os
 import sys
 import threading
 import time
@@ -21,11 +22,13 @@ import torch.distributed._functional_collectives as funcol
 from mpi4py import MPI
 
 from launcher.core.errors import LaunchError, report_and_exit
-from launcher.mpi import backend as mpi_backend
 from launcher.mpi import buffers as mpi_buffers
+from launcher.mpi import cxx as mpi_cxx
 from launcher.mpi import operations as mpi_operations
 
 WORLD = MPI.COMM_WORLD
+#: the implementation under test (the test sets DDP_MPI_IMPL): its registered backend name
+MPI_NAME = mpi_cxx.choose(os.environ.get("DDP_MPI_IMPL", "python")).name
 RANK, SIZE = WORLD.rank, WORLD.size
 TIMEOUT = datetime.timedelta(seconds=60)
 R = dist.ReduceOp
@@ -50,7 +53,7 @@ def init_default(backend: str, shared_store: bool = False) -> None:
     if backend == "gloo" or shared_store:
         dist.init_process_group(backend, rank=RANK, world_size=SIZE, timeout=TIMEOUT)
     else:
-        dist.init_process_group(mpi_backend.register(), store=dist.HashStore(), rank=RANK,
+        dist.init_process_group(MPI_NAME, store=dist.HashStore(), rank=RANK,
                                 world_size=SIZE, timeout=TIMEOUT)
 
 
@@ -63,8 +66,10 @@ def rand(shape, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
         return torch.randn(shape, dtype=dtype, generator=gen)
     if dtype.is_floating_point:
         return torch.randn(shape, generator=gen).to(dtype)
-    low = -4 if dtype.is_signed else 0
-    return torch.randint(low, 5, shape, generator=gen).to(dtype)
+    # |values| <= 4, and small enough that a PRODUCT over every rank fits in 8 bits (GLOO_PROXY)
+    bound = min(4, int(127 ** (1 / SIZE)))
+    low = -bound if dtype.is_signed else 0
+    return torch.randint(low, bound + 1, shape, generator=gen).to(dtype)
 
 
 def tensor(shape, dtype, noncontig: bool, gen: torch.Generator) -> torch.Tensor:
@@ -246,7 +251,7 @@ def run_case(name: str, fn, groups, dtype, shape, nc) -> str | None:
     proxy = GLOO_PROXY.get(dtype, dtype)
     expected = [t.to(dtype) for t in fn(groups["gloo"], proxy, shape, False,
                                          torch.Generator().manual_seed(seed))]
-    got = fn(groups["mpi4py"], dtype, shape, nc, torch.Generator().manual_seed(seed))
+    got = fn(groups[MPI_NAME], dtype, shape, nc, torch.Generator().manual_seed(seed))
     try:
         assert len(got) == len(expected)
         for a, b in zip(got, expected, strict=True):
@@ -262,9 +267,8 @@ def run_case(name: str, fn, groups, dtype, shape, nc) -> str | None:
 def scenario_compare() -> None:
     """Every op and dtype on gloo and mpi4py groups in the same processes; mpi4py group made
     by new_group when gloo is the default (argv[2] == 'gloo-default'), else the other way."""
-    default = "gloo" if sys.argv[2] == "gloo-default" else "mpi4py"
-    other = "mpi4py" if default == "gloo" else "gloo"
-    mpi_backend.register()
+    default = "gloo" if sys.argv[2] == "gloo-default" else MPI_NAME
+    other = MPI_NAME if default == "gloo" else "gloo"
     init_default(default, shared_store=True)
     groups = {default: dist.group.WORLD,
               other: dist.new_group(backend=other, timeout=TIMEOUT)}
@@ -285,12 +289,12 @@ def scenario_compare() -> None:
     for group in groups.values():
         dist.barrier(group=group)
     objects = [None] * SIZE
-    dist.all_gather_object(objects, {"rank": RANK}, group=groups["mpi4py"])
+    dist.all_gather_object(objects, {"rank": RANK}, group=groups[MPI_NAME])
     box = [{"from": 0}] if RANK == 0 else [None]
-    dist.broadcast_object_list(box, src=0, group=groups["mpi4py"])
+    dist.broadcast_object_list(box, src=0, group=groups[MPI_NAME])
     if objects != [{"rank": r} for r in range(SIZE)] or box != [{"from": 0}]:
         failures.append(f"object collectives: {objects} {box}")
-    functional = funcol.all_reduce(torch.full((3,), float(RANK)), "sum", groups["mpi4py"])
+    functional = funcol.all_reduce(torch.full((3,), float(RANK)), "sum", groups[MPI_NAME])
     if not torch.equal(functional.wait(), torch.full((3,), float(sum(range(SIZE))))):
         failures.append(f"functional all_reduce: {functional}")
     failures = [f for f in failures if f]
@@ -321,8 +325,8 @@ def train(backend: str, steps: int) -> str:
 def scenario_ddp() -> None:
     """50 DDP steps on the mpi4py default group (argv[2]: steps); prints the weights' hash."""
     steps = int(sys.argv[2])
-    init_default("mpi4py")
-    emit(backend="mpi4py", digest=train("mpi4py", steps),
+    init_default(MPI_NAME)
+    emit(backend="mpi4py", digest=train(MPI_NAME, steps),
          thread_level=MPI.Query_thread())
     dist.destroy_process_group()
     init_default("gloo")
@@ -332,7 +336,7 @@ def scenario_ddp() -> None:
 
 def scenario_subgroup() -> None:
     """new_group over ranks [0, size-1] with mpi4py, default group mpi4py too."""
-    init_default("mpi4py")
+    init_default(MPI_NAME)
     members = [0, SIZE - 1]
     sub = dist.new_group(members, timeout=TIMEOUT)
     result = None
@@ -349,7 +353,7 @@ def scenario_subgroup() -> None:
 
 def scenario_threads() -> None:
     """Two threads per rank exchange messages with the next rank at once (distinct tags)."""
-    init_default("mpi4py")
+    init_default(MPI_NAME)
     nxt, prev = (RANK + 1) % SIZE, (RANK - 1) % SIZE
     errors = []
 
@@ -376,7 +380,7 @@ def scenario_threads() -> None:
 
 def scenario_poll() -> None:
     """Rank 0 receives from any rank, polling is_completed(); the others send their rank."""
-    init_default("mpi4py")
+    init_default(MPI_NAME)
     if RANK == 0:
         sources = []
         for _ in range(SIZE - 1):
@@ -395,7 +399,7 @@ def scenario_poll() -> None:
 
 def scenario_cuda() -> None:
     """CUDA tensors (staged through host memory unless MPI is CUDA-aware) vs the same on CPU."""
-    init_default("mpi4py")
+    init_default(MPI_NAME)
     torch.cuda.set_device(RANK % torch.cuda.device_count())
     gen = torch.Generator().manual_seed(RANK)
     cpu = torch.randn(1000, generator=gen)
@@ -413,11 +417,18 @@ def scenario_cuda() -> None:
     dist.destroy_process_group()
 
 
+def set_slice_bytes(n: int) -> None:
+    if MPI_NAME == mpi_cxx.BACKEND_NAME:
+        mpi_cxx.loaded().set_slice_bytes(n)
+    else:
+        mpi_operations.ALLREDUCE_SLICE_BYTES = n
+
+
 def scenario_sliced() -> None:
     """all_reduce in slices (tiny ones here, and the real 4 MiB ones on a larger tensor) gives
     exactly what one piece gives. Values are small integers, so every sum is exact whatever
     order MPI adds in."""
-    init_default("mpi4py")
+    init_default(MPI_NAME)
     gen = torch.Generator().manual_seed(RANK)
     mismatches = []
     for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.int64, torch.bool):
@@ -431,13 +442,13 @@ def scenario_sliced() -> None:
             source = source.to(dtype)
             results = []
             for slice_bytes in (1 << 30, 24):
-                mpi_operations.ALLREDUCE_SLICE_BYTES = slice_bytes
+                set_slice_bytes(slice_bytes)
                 t = source.clone()
                 dist.all_reduce(t, op=op)
                 results.append(t)
             if not torch.equal(*results):
                 mismatches.append(f"{dtype} {op}")
-    mpi_operations.ALLREDUCE_SLICE_BYTES = 4 << 20
+    set_slice_bytes(4 << 20)
     big = torch.full(((4 << 20) // 4 + 3,), float(RANK + 1))  # 4 MiB and 3 floats: 2 slices
     dist.all_reduce(big)
     emit(mismatches=mismatches, big_ok=bool(torch.all(big == SIZE * (SIZE + 1) / 2)))
@@ -447,7 +458,7 @@ def scenario_sliced() -> None:
 def scenario_bad_world_size() -> None:
     """init_process_group with one rank too many: every rank must say so and exit non-zero."""
     try:
-        dist.init_process_group(mpi_backend.register(), store=dist.HashStore(), rank=RANK,
+        dist.init_process_group(MPI_NAME, store=dist.HashStore(), rank=RANK,
                                 world_size=SIZE + 1, timeout=TIMEOUT)
     except LaunchError as error:
         report_and_exit(error, RANK)
@@ -457,7 +468,7 @@ def scenario_bad_world_size() -> None:
 def scenario_bad_rank() -> None:
     """Every rank claims rank 0: only the others see a mismatch, yet all must fail together."""
     try:
-        dist.init_process_group(mpi_backend.register(), store=dist.HashStore(), rank=0,
+        dist.init_process_group(MPI_NAME, store=dist.HashStore(), rank=0,
                                 world_size=SIZE, timeout=TIMEOUT)
     except LaunchError as error:
         report_and_exit(error, RANK)
@@ -466,7 +477,7 @@ def scenario_bad_rank() -> None:
 
 def scenario_bad_reduce_op() -> None:
     """BAND on float32: a clear error on every rank (no rank reaches the MPI call)."""
-    init_default("mpi4py")
+    init_default(MPI_NAME)
     try:
         dist.all_reduce(torch.ones(3), op=R.BAND)
     except LaunchError as error:
@@ -476,7 +487,7 @@ def scenario_bad_reduce_op() -> None:
 
 def scenario_timeout() -> None:
     """The last rank never enters the barrier: the others time out naming the op and exit."""
-    dist.init_process_group(mpi_backend.register(), store=dist.HashStore(), rank=RANK,
+    dist.init_process_group(MPI_NAME, store=dist.HashStore(), rank=RANK,
                             world_size=SIZE, timeout=datetime.timedelta(seconds=2))
     if RANK == SIZE - 1:
         time.sleep(60)  # stuck rank; mpiexec must clean it up when the others abort
@@ -491,7 +502,7 @@ def scenario_timeout() -> None:
 def scenario_ddp_timeout() -> None:
     """The last rank never runs backward: the others' gradient all_reduce inside DDP times out
     and the backend's error comes out of loss.backward(), not a hang."""
-    dist.init_process_group(mpi_backend.register(), store=dist.HashStore(), rank=RANK,
+    dist.init_process_group(MPI_NAME, store=dist.HashStore(), rank=RANK,
                             world_size=SIZE, timeout=datetime.timedelta(seconds=2))
     ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4))
     if RANK == SIZE - 1:

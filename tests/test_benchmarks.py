@@ -14,6 +14,7 @@ import pytest
 
 from benchmarks import cluster as cluster_benchmark
 from benchmarks import imb, tuning
+from launcher.mpi import cxx as mpi_cxx
 from tests.fixtures.mpi import REPO_ROOT, clean_environ, run_mpi
 
 pytestmark = pytest.mark.mpi
@@ -39,10 +40,26 @@ def test_allreduce_benchmark_writes_every_table(tmp_path):
     # the plot beside the JSON (matplotlib is in the dev extra)
     assert out.with_suffix(".png").read_bytes().startswith(b"\x89PNG")
     busy = report["busy_allreduce_after_last_arrival_us"]
-    assert set(busy) == {"mpi4py", "gloo", "raw"}
+    cxx = {"mpi_cxx"} if mpi_cxx.built_path().exists() else set()
+    assert set(busy) == {"mpi4py", "gloo", "raw"} | cxx
+    assert set(report["pingpong_half_round_trip_us"]) == set(busy)
+    for row in report["allreduce"]:
+        assert ("mpi_cxx_vs_mpi4py_median" in row) == bool(cxx)
     for stats in busy.values():
         assert 0 < stats["best"] <= stats["median"] <= stats["p90"]
     assert "between rounds of compute" in result.stdout
+
+
+def test_ddp_step_benchmark_times_each_backend_beside_compute_alone(tmp_path):
+    out = tmp_path / "ddp_step.json"
+    result = run_mpi(2, ["-m", "benchmarks.ddp_step", "--seconds", "0.2", "--rounds", "1",
+                         "--max-calls", "3", "--json", str(out)], timeout=300)
+    assert result.returncode == 0, result.output
+    steps = json.loads(out.read_text())["step_ms"]
+    cxx = {"mpi_cxx"} if mpi_cxx.built_path().exists() else set()
+    assert set(steps) == {"compute", "mpi4py", "gloo"} | cxx
+    assert all(0 < s["best"] <= s["median"] for s in steps.values())
+    assert "communication not hidden" in result.stdout
 
 
 def test_train_scaling_benchmark_splits_weak_scaling_and_measures_the_broadcast(tmp_path):

@@ -11,6 +11,7 @@ import pytest
 
 from launcher.core.errors import EXIT_USER_ERROR
 from launcher.diagnostics.rank_report import RankReport, find_differences, format_table
+from launcher.mpi import cxx as mpi_cxx
 from launcher.placement import network
 from tests.fixtures.gpu import nccl_ranks, needs_gpu
 from tests.fixtures.mpi import REPO_ROOT, clean_environ, json_objects, run_mpi
@@ -66,7 +67,8 @@ def test_check_passes_under_mpiexec_on_gloo_and_mpi(ranks):
     assert summary["ok"] and summary["problems"] == []
     assert [r["rank"] for r in summary["ranks"]] == list(range(ranks))
     assert {r["launcher"] for r in summary["ranks"]} == {"hydra"}
-    assert set(summary["backends"]) == {"gloo", "mpi4py"}
+    mpi = mpi_cxx.BACKEND_NAME if mpi_cxx.built_path().exists() else "mpi4py"
+    assert set(summary["backends"]) == {"gloo", mpi}
     assert all(len(b["ping_pong_us"]) == ranks - 1 for b in summary["backends"].values())
 
 
@@ -102,6 +104,23 @@ def test_a_rank_in_another_image_fails_the_check_on_every_rank():
     assert result.returncode == 1, result.output
     assert "DIFFERENT image: rank 0: ddp:1.0; rank 1: ddp:2.0" in result.stdout
     assert "check FAILED" in result.stdout
+
+
+@pytest.mark.mpi
+def test_ranks_on_different_mpi_implementations_fail_the_check():
+    """Rank 1 told to take the Python backend, rank 0 the compiled one: one problem line."""
+    if not mpi_cxx.built_path().exists():
+        pytest.skip("the compiled mpi backend is not built (python -m launcher.mpi.cxx)")
+    args = [sys.executable, "-m", "launcher.check", "--backend", "mpi"]
+    result = run_mpi(
+        1, [*args[1:]], timeout=120,
+        mpiexec_args=("-env", "DDP_MPI_IMPL", "cxx", *args, ":", "-n", "1", "-env",
+                      "DDP_MPI_IMPL", "python"),
+    )
+    assert result.returncode == 1, result.output
+    assert "mpi: rank 0 runs the compiled mpi backend" in result.stdout
+    assert ("the ranks run different implementations of one backend: mpi_cxx on rank(s) 0; "
+            "mpi4py on rank(s) 1") in result.stdout
 
 
 def test_check_runs_as_a_single_process():

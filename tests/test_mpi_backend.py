@@ -14,6 +14,7 @@ import torch.distributed as dist
 from launcher.core.errors import LaunchError
 from launcher.mpi import backend as mpi_backend
 from launcher.mpi import buffers as mpi_buffers
+from launcher.mpi import cxx as mpi_cxx
 from launcher.mpi import library as mpi_library
 from tests.fixtures.docker import COLD_BUILD_TIMEOUT
 from tests.fixtures.gpu import needs_gpu
@@ -39,6 +40,15 @@ def by_rank(objects: list[dict], ranks: int, **match) -> list[dict]:
     picked = [o for o in objects if all(o.get(k) == v for k, v in match.items())]
     assert sorted(o["rank"] for o in picked) == list(range(ranks)), objects
     return sorted(picked, key=lambda o: o["rank"])
+
+
+@pytest.fixture(params=["python", "cxx"])
+def impl(request, monkeypatch) -> str:
+    """Both implementations of the mpi backend: the Python one and the compiled one."""
+    if request.param == "cxx" and not mpi_cxx.built_path().exists():
+        pytest.skip("the compiled mpi backend is not built (python -m launcher.mpi.cxx)")
+    monkeypatch.setenv("DDP_MPI_IMPL", request.param)
+    return request.param
 
 
 # -- in-process: registration and the pieces that need no second rank ------------------------
@@ -82,10 +92,10 @@ def test_unsupported_reductions_name_the_dtype_and_op(dtype, op):
 
 @pytest.mark.mpi
 @pytest.mark.parametrize(("ranks", "default", "algorithm"), [
-    (2, "gloo-default", "auto"), (3, "mpi4py-default", "auto"),
+    (2, "gloo-default", "auto"), (3, "mpi4py-default", "auto"), (4, "gloo-default", "auto"),
     # what the launcher picks for the bundled MPICH across nodes (launcher/mpi/library.py)
     (3, "mpi4py-default", "tsp_ring")])
-def test_every_op_and_dtype_matches_gloo(ranks, default, algorithm):
+def test_every_op_and_dtype_matches_gloo(ranks, default, algorithm, impl):
     """~2000 cases per rank: 15 dtypes x empty/1/42-element/non-contiguous (+3 MiB float32)
     x every collective, reduce op and point-to-point call."""
     result = run_worker(ranks, "compare", default,
@@ -99,8 +109,10 @@ def test_every_op_and_dtype_matches_gloo(ranks, default, algorithm):
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("thread_level", ["multiple", "serialized"])
-def test_ddp_keeps_ranks_bit_identical_and_matches_gloo(thread_level):
+def test_ddp_keeps_ranks_bit_identical_and_matches_gloo(thread_level, impl):
     """50 steps; 'serialized' makes the backend take its lock around every MPI call."""
+    if impl == "cxx" and thread_level == "serialized":
+        pytest.skip("the compiled backend needs MPI_THREAD_MULTIPLE (else: the Python one)")
     result = run_worker(2, "ddp", "50", env={"MPI4PY_RC_THREAD_LEVEL": thread_level})
     assert result.returncode == 0, result.output
     objects = json_objects(result.stdout)
@@ -115,7 +127,7 @@ def test_ddp_keeps_ranks_bit_identical_and_matches_gloo(thread_level):
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("algorithm", ["auto", "tsp_ring"])
-def test_ddp_three_ranks_stay_identical(algorithm):
+def test_ddp_three_ranks_stay_identical(algorithm, impl):
     result = run_worker(3, "ddp", "50", env={mpi_library.IALLREDUCE_VARIABLE: algorithm})
     assert result.returncode == 0, result.output
     ours = by_rank(json_objects(result.stdout), 3, backend="mpi4py")
@@ -123,7 +135,7 @@ def test_ddp_three_ranks_stay_identical(algorithm):
 
 
 @pytest.mark.mpi
-def test_subgroup_runs_on_its_members_only():
+def test_subgroup_runs_on_its_members_only(impl):
     result = run_worker(3, "subgroup")
     assert result.returncode == 0, result.output
     reports = by_rank(json_objects(result.stdout), 3)
@@ -132,7 +144,7 @@ def test_subgroup_runs_on_its_members_only():
 
 
 @pytest.mark.mpi
-def test_polled_receive_from_any_rank_reports_sender_and_data():
+def test_polled_receive_from_any_rank_reports_sender_and_data(impl):
     result = run_worker(3, "poll", timeout=60)
     assert result.returncode == 0, result.output
     assert by_rank(json_objects(result.stdout), 3)[0]["sources"] == [1, 2], result.output
@@ -149,14 +161,14 @@ def assert_clean_user_error(result, ranks: int, *phrases: str) -> None:
 
 
 @pytest.mark.mpi
-def test_world_size_that_does_not_match_mpi_fails_on_every_rank():
+def test_world_size_that_does_not_match_mpi_fails_on_every_rank(impl):
     result = run_worker(2, "bad-world-size", timeout=60)
     assert_clean_user_error(result, 2, "of 3, but MPI started this process as rank",
                             "MPI.COMM_WORLD.size")
 
 
 @pytest.mark.mpi
-def test_rank_mismatch_seen_by_some_ranks_fails_on_every_rank():
+def test_rank_mismatch_seen_by_some_ranks_fails_on_every_rank(impl):
     """rank=0 everywhere: rank 0 itself looks fine, so it must learn of the others' failure."""
     result = run_worker(3, "bad-rank", timeout=60)
     assert_clean_user_error(result, 3, "init_process_group has rank 0 of 3, but MPI started "
@@ -164,13 +176,13 @@ def test_rank_mismatch_seen_by_some_ranks_fails_on_every_rank():
 
 
 @pytest.mark.mpi
-def test_unsupported_reduction_fails_on_every_rank():
+def test_unsupported_reduction_fails_on_every_rank(impl):
     result = run_worker(2, "bad-reduce-op", timeout=60)
     assert_clean_user_error(result, 2, "cannot reduce torch.float32 tensors with ReduceOp.BAND")
 
 
 @pytest.mark.mpi
-def test_collective_with_a_missing_rank_times_out_and_aborts_the_job():
+def test_collective_with_a_missing_rank_times_out_and_aborts_the_job(impl):
     """The last rank sleeps 60 s; the group timeout is 2 s, so the job must end well before."""
     result = run_worker(3, "timeout", timeout=45)
     assert result.returncode != 0, result.output
@@ -180,9 +192,11 @@ def test_collective_with_a_missing_rank_times_out_and_aborts_the_job():
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("thread_level", ["serialized", "multiple"])
-def test_threads_share_the_group(thread_level):
+def test_threads_share_the_group(thread_level, impl):
     """Below MPI_THREAD_MULTIPLE the backend's lock is all that keeps two threads' MPI calls
     apart (without it this run hung about one time in three)."""
+    if impl == "cxx" and thread_level == "serialized":
+        pytest.skip("the compiled backend needs MPI_THREAD_MULTIPLE (else: the Python one)")
     result = run_worker(3, "threads", timeout=90, env={"MPI4PY_RC_THREAD_LEVEL": thread_level})
     assert result.returncode == 0, result.output
     reports = by_rank(json_objects(result.stdout), 3)
@@ -199,7 +213,7 @@ def test_the_mpi_library_is_asked_about_cuda_support():
 
 @pytest.mark.mpi
 @pytest.mark.parametrize(("ranks", "algorithm"), [(2, "auto"), (3, "auto"), (3, "tsp_ring")])
-def test_large_all_reduce_in_slices_equals_one_piece(ranks, algorithm):
+def test_large_all_reduce_in_slices_equals_one_piece(ranks, algorithm, impl):
     result = run_worker(ranks, "sliced", timeout=120,
                         env={mpi_library.IALLREDUCE_VARIABLE: algorithm})
     assert result.returncode == 0, result.output
@@ -210,14 +224,14 @@ def test_large_all_reduce_in_slices_equals_one_piece(ranks, algorithm):
 @pytest.mark.mpi
 @pytest.mark.gpu
 @needs_gpu
-def test_cuda_tensors_give_the_same_results_as_cpu_tensors():
+def test_cuda_tensors_give_the_same_results_as_cpu_tensors(impl):
     result = run_worker(2, "cuda", timeout=120)
     assert result.returncode == 0, result.output
     assert all(r["same"] for r in by_rank(json_objects(result.stdout), 2)), result.output
 
 
 @pytest.mark.mpi
-def test_timeout_inside_ddp_backward_surfaces_from_backward():
+def test_timeout_inside_ddp_backward_surfaces_from_backward(impl):
     result = run_worker(2, "ddp-timeout", timeout=45)
     assert result.returncode != 0, result.output
     assert ("[rank 0] error: all_reduce on a group of 2 ranks did not complete within 0:00:02"

@@ -52,6 +52,8 @@ class CollectiveResult:
     backend: str
     ping_pong_us: dict[int, float]
     errors: tuple[str, ...]
+    #: for --backend mpi: which implementation this rank runs, and why
+    implementation: str = ""
 
 
 def check_collectives(ctx: DistContext) -> CollectiveResult:
@@ -85,7 +87,7 @@ def check_collectives(ctx: DistContext) -> CollectiveResult:
     dist.all_reduce(highest, op=dist.ReduceOp.MAX)
     if highest.item() != world - 1:
         errors.append(f"all_reduce MAX on rank {rank} gave {highest.item()}, not {world - 1}")
-    return CollectiveResult(ctx.backend, latencies, tuple(errors))
+    return CollectiveResult(ctx.backend, latencies, tuple(errors), ctx.implementation)
 
 
 def run_check(env: JobEnv, backends: list[str], timeout_s: float, as_json: bool) -> int:
@@ -104,9 +106,12 @@ def run_check(env: JobEnv, backends: list[str], timeout_s: float, as_json: bool)
                 say(format_table(reports), flush=True)
             results = gather(check_collectives(ctx))
         errors = [f"{ctx.backend}: {e}" for result in results for e in result.errors]
-        problems += errors
+        problems += errors + mixed_implementations(results)
+        if results[0].implementation:
+            say(f"{backend}: rank 0 runs {results[0].implementation}", flush=True)
         latencies = results[0].ping_pong_us
-        summary["backends"][ctx.backend] = {"ping_pong_us": latencies, "ok": not errors}
+        summary["backends"][ctx.backend] = {"ping_pong_us": latencies, "ok": not errors,
+                                             "implementation": results[0].implementation}
         worst = max(latencies.values(), default=0.0)
         say(f"{ctx.backend}: ping-pong with {len(latencies)} peer(s), worst one-way "
             f"{worst:.0f} us; all_reduce {'WRONG' if errors else 'ok'}", flush=True)
@@ -127,6 +132,17 @@ def _say_single_copy(env: JobEnv) -> None:
     decided = mpi_library.single_copy_decision()
     if env.local_rank == 0 and decided is not None and decided[0]:
         print(decided[1], file=sys.stderr, flush=True)
+
+
+def mixed_implementations(results: list[CollectiveResult]) -> list[str]:
+    """One problem line when the ranks run different implementations of one backend."""
+    ranks: dict[str, list[int]] = {}
+    for rank, result in enumerate(results):
+        ranks.setdefault(result.backend, []).append(rank)
+    if len(ranks) < 2:
+        return []
+    which = "; ".join(f"{name} on rank(s) {', '.join(map(str, r))}" for name, r in ranks.items())
+    return [f"the ranks run different implementations of one backend: {which}"]
 
 
 def _quiet(*_args: object, **_kwargs: object) -> None:

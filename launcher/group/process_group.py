@@ -49,6 +49,8 @@ class DistContext:
     backend: str
     #: this rank's device: ``cuda:<local_rank>`` when CUDA is used, else ``cpu``
     device: torch.device
+    #: for ``--backend mpi``: which implementation runs, and why (``launcher.mpi.cxx.choose``)
+    implementation: str = ""
 
 
 def bind_device(env: JobEnv, cuda_available: bool) -> torch.device:
@@ -79,14 +81,14 @@ def process_group(
     chosen = plan(backend, env, facts)
     device = bind_device(env, cuda_available)
     timeout = timedelta(seconds=timeout_s)
-    env, name, store = _start(env, chosen, device, timeout)
+    env, name, store, implementation = _start(env, chosen, device, timeout)
     watchdog = failfast.start(env, store)
     flight_recorder.install()
     hang_watch.start(run_dir, timeout_s, _silent, failfast.end_process)
     healthy = True
     failure: BaseException | None = None
     try:
-        yield DistContext(env=env, backend=name, device=device)
+        yield DistContext(env=env, backend=name, device=device, implementation=implementation)
     except BaseException as exc:
         if raised_everywhere(exc) or not isinstance(exc, Exception):
             failure = exc
@@ -113,26 +115,28 @@ def process_group(
 
 
 def _start(env: JobEnv, chosen: BackendPlan, device: torch.device,
-           timeout: timedelta) -> tuple[JobEnv, str, dist.Store | None]:
+           timeout: timedelta) -> tuple[JobEnv, str, dist.Store | None, str]:
     """Carry out ``chosen`` up to an initialised group: the rendezvoused ``env``, the backend's
-    name and the store (None for MPI). Each stage is bounded (``launcher.group.startup_guard``)."""
-    name, store, world = chosen.backend, None, None
+    name, the store (None for MPI) and the mpi implementation's line (``DistContext``). Each
+    stage is bounded (``launcher.group.startup_guard``)."""
+    name, store, world, implementation = chosen.backend, None, None, ""
     who = f"rank {env.rank} on {env.hostname}"
     with guarded(who, timeout.total_seconds() + GRACE_S, enabled=env.is_distributed) as guard:
         if chosen.start_mpi:
             guard.stage("starting MPI")
             world = start_mpi(env)
         if name == MPI4PY:
-            from launcher.mpi import backend as mpi_backend
+            from launcher.mpi import cxx as mpi_cxx
 
-            mpi_backend.register()
+            choice = mpi_cxx.choose(env.mpi_impl)
+            name, implementation = choice.name, choice.reason
         guard.stage("the rendezvous")
         if chosen.store:
             env, store = start_store(env, name, timeout, world)
             if chosen.if_gpu_shared is not None:
                 name = nccl_unless_gpus_are_shared(env, store, device, chosen.if_gpu_shared)
         _init(env, name, store, timeout)
-    return env, name, store
+    return env, name, store, implementation
 
 
 def _silent() -> list[int]:

@@ -28,13 +28,18 @@ The ops themselves and their semantics: ``launcher.mpi.operations``.
 
 from __future__ import annotations
 
+import contextlib
+from datetime import timedelta
+
 import torch
 import torch.distributed as dist
 from mpi4py import MPI
 
-from launcher.core.errors import LaunchError
+from launcher.core.errors import LaunchError, PeerLost
+from launcher.faults import heartbeat
 from launcher.mpi import buffers as mb
 from launcher.mpi import segments as mpi_segments
+from launcher.mpi import waiting
 from launcher.mpi.operations import BACKEND_NAME, MPIProcessGroup
 
 #: int32 words of the all_reduce each new communicator checks itself with: 4 MiB, above
@@ -69,6 +74,12 @@ _HINT = ("start every rank through MPI: mpiexec -n N, or under Slurm srun --mpi=
 
 def _create(opts, backend_options=None) -> MPIProcessGroup:
     """torch's factory hook (``extended_api=True``): one communicator per process group."""
+    return MPIProcessGroup(communicator(opts), opts.timeout)
+
+
+def communicator(opts) -> MPI.Intracomm:
+    """The checked communicator of a new group (``opts``: torch's backend options), also for
+    the compiled backend (``launcher.mpi.cxx``)."""
     ranks = list(opts.global_ranks_in_group)
     timeout = opts.timeout
     world = MPI.COMM_WORLD
@@ -82,7 +93,7 @@ def _create(opts, backend_options=None) -> MPIProcessGroup:
         # every rank is here: a user's script that started MPI itself, as well as
         # process_group, leaves no named segment behind if the job ends in MPI_Abort
         mpi_segments.unlink_mapped(world)
-        return _checked(MPIProcessGroup(world.Dup(), timeout))
+        return _checked(world.Dup(), timeout)
     problem = _check_world(dist.get_rank(), dist.get_world_size(), "the default process group")
     if problem:
         raise LaunchError(f"cannot create a {BACKEND_NAME} group: {problem}", _HINT)
@@ -94,28 +105,39 @@ def _create(opts, backend_options=None) -> MPIProcessGroup:
         comm = world.Create_group(members)  # collective over the members only
         members.Free()
         world_group.Free()
-    return _checked(MPIProcessGroup(comm, timeout))
+    return _checked(comm, timeout)
 
 
-def _checked(pg: MPIProcessGroup) -> MPIProcessGroup:
-    _check_transport(pg)
-    return pg
+def _checked(comm: MPI.Intracomm, timeout: timedelta) -> MPI.Intracomm:
+    check_transport(comm, timeout.total_seconds())
+    return comm
 
 
-def _check_transport(pg: MPIProcessGroup) -> None:
+def overdue(what: str, elapsed: float, timeout_s: float, rank: int) -> None:
+    """A wait past its timeout: ``launcher.faults.heartbeat.overdue``, and ``MPI_Abort`` at
+    exit after a lost peer (the MPI operation cannot be cancelled)."""
+    try:
+        heartbeat.overdue(what, elapsed, timeout_s, rank)
+    except PeerLost:
+        waiting.abort_at_exit()
+        raise
+
+
+def check_transport(comm: MPI.Intracomm, timeout_s: float) -> None:
     """All-reduce a known pattern and fail on every rank if any got wrong data.
 
     MPICH copies large intra-node messages with process_vm_readv (CMA). Where that call
     is refused (Docker's default seccomp profile, ranks in separate user namespaces),
     MPICH 5.0.2's non-blocking collectives (which this backend uses) complete with wrong
-    data instead of an error. launcher/mpi/cma.py turns CMA off there before MPI starts; this
-    check catches what it could not decide: the user's own setting, a host MPI.
+    data instead of an error. launcher/mpi/cma.py turns CMA off there before MPI starts;
+    this check catches what it could not decide: the user's own setting, a host MPI.
     """
-    probe = torch.full((_PROBE_WORDS,), pg.rank() + 1, dtype=torch.int32)
-    pg.run("transport check all_reduce", None, pg.comm.Iallreduce, MPI.IN_PLACE, mb.spec(probe),
-           MPI.SUM)
-    good = bool((probe == pg.size() * (pg.size() + 1) // 2).all())
-    bad = [r for r, ok in enumerate(pg.comm.allgather(good)) if not ok]
+    probe = torch.full((_PROBE_WORDS,), comm.rank + 1, dtype=torch.int32)
+    request = comm.Iallreduce(MPI.IN_PLACE, mb.spec(probe), MPI.SUM)
+    waiting.wait(request, contextlib.nullcontext(), None, timeout_s,
+                 "transport check all_reduce", None, comm.size, comm.rank)
+    good = bool((probe == comm.size * (comm.size + 1) // 2).all())
+    bad = [r for r, ok in enumerate(comm.allgather(good)) if not ok]
     if bad:
         raise LaunchError(
             f"MPI delivered wrong data in a 4 MiB test all_reduce (wrong on rank(s) "

@@ -49,6 +49,7 @@ class JobEnv(Placement):
     pmi: str = "none"  # what the launcher offers MPI: "pmix" | "pmi" (PMI-1/PMI-2) | "none"
     library_path: tuple[str, ...] = ()  # LD_LIBRARY_PATH's directories, in order
     mpi4py_request: str | None = None  # MPI4PY_LIBMPI / MPI4PY_MPIABI as the user set them
+    mpi_impl: str = "auto"  # DDP_MPI_IMPL: --backend mpi compiled ("cxx"), "python" or "auto"
     ifname: str | None = None  # GLOO_SOCKET_IFNAME as the user set it (--ifname)
     network: NetworkChoice | None = None  # the interface used, chosen at start-up
 
@@ -182,6 +183,7 @@ def detect_environment(
         pmi=launch_pmi(environ),
         library_path=tuple(filter(None, environ.get("LD_LIBRARY_PATH", "").split(":"))),
         mpi4py_request=_mpi4py_request(environ),
+        mpi_impl=environ.get("DDP_MPI_IMPL", "").strip() or "auto",
         ifname=environ.get("GLOO_SOCKET_IFNAME", "").strip() or None,
     )
 

@@ -1,0 +1,238 @@
+"""The mpi backend compiled: ``launcher/mpi/cxx.cpp``, a ``c10d::Backend`` on the MPI library
+mpi4py loaded, built here and chosen over the Python backend (``launcher.mpi.backend``)
+wherever it can run.
+
+``python -m launcher.mpi.cxx`` (``scripts/bootstrap.sh``, the image's build stage) compiles it
+against the MPICH beside the venv's Python (``include/mpi.h``, ``lib/libmpi.so.12``, rpath)
+into ``DDP_MPI_CXX_DIR`` (default ``<venv>/lib/ddp-ext``), outside git. The file is named by a
+hash of the source and the torch version, so a re-run with nothing changed finds it and
+compiles nothing. Which libmpi it runs on is decided when it loads: the dynamic linker hands it
+the ``libmpi.so.12`` mpi4py already loaded (a host's Intel MPI, Cray MPICH or MVAPICH bound in:
+the MPICH ABI), never a second one.
+
+``choose(request)`` picks the implementation a rank runs: the compiled one, or the Python one
+and one line why: not built, built for another torch, mpi4py on another ABI (Open MPI's
+``libmpi.so.40``, the MPI-5 ABI; two MPI libraries in one process are fatal), a different
+library seen by the two, or MPI without ``MPI_THREAD_MULTIPLE`` (the compiled backend's
+progress thread needs it). ``DDP_MPI_IMPL`` (``JobEnv.mpi_impl``) overrides: ``python`` always
+takes the Python backend, ``cxx`` fails where the compiled one cannot run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.util
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+BACKEND_NAME = "mpi_cxx"
+SOURCE = Path(__file__).with_name("cxx.cpp")
+DIR_VARIABLE = "DDP_MPI_CXX_DIR"
+#: what ``DDP_MPI_IMPL`` may say
+IMPL_CHOICES = ("auto", "cxx", "python")
+#: the ABI the source is compiled for (``mpi.h`` of MPICH)
+SONAME = "libmpi.so.12"
+
+
+def _launch_error(message: str, hint: str) -> Exception:
+    # imported here: the image's build stage runs this file alone, before the project is copied
+    from launcher.core.errors import LaunchError
+
+    return LaunchError(message, hint)
+
+
+def build_dir() -> Path:
+    return Path(os.environ.get(DIR_VARIABLE) or Path(sys.prefix) / "lib" / "ddp-ext")
+
+
+def module_name() -> str:
+    """The module's name: a hash of what makes a build usable (source, torch)."""
+    digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()
+    return f"ddp_mpi_cxx_{digest[:16]}"
+
+
+def built_path() -> Path:
+    return build_dir() / f"{module_name()}.so"
+
+
+def build(mpi_prefix: Path, quiet: bool = True) -> Path:
+    """Compile the extension against ``mpi_prefix``'s MPICH unless it is built already."""
+    target = built_path()
+    if target.exists():
+        return target
+    include, lib = mpi_prefix / "include", mpi_prefix / "lib"
+    if not (include / "mpi.h").exists() or not (lib / SONAME).exists():
+        raise _launch_error(f"no MPICH to build the mpi backend against in {mpi_prefix} "
+                          f"(needs include/mpi.h and lib/{SONAME})",
+                          "pip install mpich (the project's [mpich] extra), or pass --mpi-prefix")
+    from setuptools import Distribution
+    from torch.utils.cpp_extension import BuildExtension, CppExtension
+
+    name = module_name()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        extension = CppExtension(
+            name, [str(SOURCE)], include_dirs=[str(include)], library_dirs=[str(lib)],
+            libraries=[":" + SONAME], extra_link_args=[f"-Wl,-rpath,{lib}"],
+            extra_compile_args=["-O2", "-g0"])
+        args = ["build_ext", "--build-lib", tmp, "--build-temp", tmp]
+        dist = Distribution({"name": name, "ext_modules": [extension], "script_args": args,
+                             # no ninja needed: the image's build stage has none
+                             "cmdclass": {"build_ext": BuildExtension.with_options(
+                                 use_ninja=False)}})
+        dist.verbose = 0 if quiet else 1
+        dist.parse_command_line()
+        dist.run_commands()
+        (built,) = Path(tmp).glob(f"{name}*.so")
+        manifest = {"torch": torch.__version__, "libmpi": str((lib / SONAME).resolve())}
+        Path(tmp, "manifest.json").write_text(json.dumps(manifest))
+        os.replace(Path(tmp, "manifest.json"), target.with_suffix(".json"))
+        os.replace(built, target)  # atomic: a rank never loads half a file
+    for stale in build_dir().glob("ddp_mpi_cxx_*.so"):
+        if stale != target:
+            stale.unlink(missing_ok=True)
+            stale.with_suffix(".json").unlink(missing_ok=True)
+    return target
+
+
+def loaded_libmpi() -> str | None:
+    """The path of the libmpi this process has mapped (mpi4py's), if any."""
+    with open("/proc/self/maps") as maps:
+        paths = sorted(set(re.findall(r"/\S*/libmpi[^/\s]*\.so[.\d]*", maps.read())))
+    return paths[0] if paths else None
+
+
+def _why_not_built() -> str:
+    others = sorted(build_dir().glob("ddp_mpi_cxx_*.json"))
+    for other in others:
+        version = json.loads(other.read_text()).get("torch")
+        if version != torch.__version__:
+            return f"the compiled mpi backend was built for torch {version}, this is " \
+                   f"{torch.__version__} (rebuild: python -m launcher.mpi.cxx)"
+    if others:
+        return "the compiled mpi backend was built from another source (rebuild: " \
+               "python -m launcher.mpi.cxx)"
+    return f"the compiled mpi backend is not built in {build_dir()} (./scripts/bootstrap.sh " \
+           "or python -m launcher.mpi.cxx builds it)"
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The implementation of ``--backend mpi`` a rank runs, and why."""
+
+    #: the registered backend name: ``mpi_cxx`` or ``mpi4py``
+    name: str
+    #: one line for launcher.check: which implementation, and why the fallback if it is one
+    reason: str
+
+
+_module: ModuleType | None = None
+
+
+def _load() -> tuple[ModuleType | None, str]:
+    """The compiled module, or None and why it cannot run here. Needs MPI started."""
+    global _module
+    if _module is not None:
+        return _module, ""
+    from mpi4py import MPI
+
+    path = built_path()
+    if not path.exists():
+        return None, _why_not_built()
+    libmpi = loaded_libmpi()
+    if libmpi is None or not Path(libmpi).name.startswith(SONAME):
+        return None, f"mpi4py runs on {libmpi or 'an unknown libmpi'}, the compiled mpi " \
+                     f"backend on the MPICH ABI ({SONAME}): two MPI libraries cannot share a " \
+                     "process"
+    if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+        return None, "MPI runs without MPI_THREAD_MULTIPLE, which the compiled backend's " \
+                     "progress thread needs"
+    spec = importlib.util.spec_from_file_location(module_name(), path)
+    try:
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    except ImportError as error:  # e.g. a torch whose symbols changed under the same version
+        return None, f"the compiled mpi backend does not load: {error}"
+    if torch.__version__.split("+")[0] != module.TORCH_VERSION:
+        return None, f"the compiled mpi backend is for torch {module.TORCH_VERSION}, this is " \
+                     f"{torch.__version__}"
+    if module.library_version() != MPI.Get_library_version():
+        return None, "the compiled mpi backend and mpi4py see different MPI libraries"
+    module.use_native_half(MPI.Get_library_version().startswith("MPICH Version:"))
+    _module = module
+    return module, ""
+
+
+def loaded() -> ModuleType | None:
+    """The compiled module once ``choose`` loaded it."""
+    return _module
+
+
+def choose(request: str = "auto") -> Choice:
+    """Register the implementation ``request`` (``DDP_MPI_IMPL``) asks for; MPI started."""
+    from launcher.mpi import backend as mpi_backend
+
+    if request not in IMPL_CHOICES:
+        raise _launch_error(f"DDP_MPI_IMPL={request!r} is not one of {', '.join(IMPL_CHOICES)}",
+                          "unset DDP_MPI_IMPL (auto: the compiled backend where it runs)")
+    if request == "python":
+        return Choice(mpi_backend.register(), "the Python mpi backend (DDP_MPI_IMPL=python)")
+    module, why = _load()
+    if module is None:
+        if request == "cxx":
+            raise _launch_error(why, "unset DDP_MPI_IMPL to fall back to the Python backend")
+        return Choice(mpi_backend.register(), f"the Python mpi backend: {why}")
+    register(module)
+    return Choice(BACKEND_NAME, f"the compiled mpi backend ({module.__file__})")
+
+
+def register(module: ModuleType) -> None:
+    import torch.distributed as dist
+
+    from launcher.mpi import backend as mpi_backend
+
+    if BACKEND_NAME in dist.Backend.backend_list:
+        return
+
+    def create(opts, backend_options=None):
+        comm = mpi_backend.communicator(opts)
+        timeout_s = opts.timeout.total_seconds()
+        rank = comm.rank
+
+        def overdue(what: str, elapsed: float) -> None:
+            mpi_backend.overdue(what, elapsed, timeout_s, rank)
+
+        return module.create(comm.handle, rank, comm.size, timeout_s, overdue)
+
+    dist.Backend.register_backend(BACKEND_NAME, create, extended_api=True,
+                                  devices=["cpu", "cuda"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m launcher.mpi.cxx",
+                                     description="build the compiled mpi backend (cached)")
+    parser.add_argument("--mpi-prefix", type=Path, default=Path(sys.prefix),
+                        help="where MPICH's include/mpi.h and lib/libmpi.so.12 are")
+    parser.add_argument("--verbose", action="store_true", help="show the compiler's commands")
+    args = parser.parse_args(argv)
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        raise SystemExit("launcher.mpi.cxx: error: no C++ compiler (c++)\n"
+                         "HINT: apt-get install g++")
+    fresh = not built_path().exists()
+    path = build(args.mpi_prefix, quiet=not args.verbose)
+    print(f"mpi_cxx: {'built' if fresh else 'up to date'}: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,120 @@
+"""The compiled mpi backend's build and its fallback to the Python one (launcher/mpi/cxx.py).
+
+What the backend computes is tested with the Python one's tests (tests/test_mpi_backend.py,
+both implementations); training hashes in tests/test_train.py.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from mpi4py import MPI
+
+from launcher.core.errors import LaunchError
+from launcher.mpi import cxx as mpi_cxx
+from tests.fixtures.mpi import REPO_ROOT, clean_environ, run_mpi
+
+HASH = re.compile(r"param-sha256 rank=(\d+) ([0-9a-f]{64})")
+needs_build = pytest.mark.skipif(not mpi_cxx.built_path().exists(),
+                                 reason="the compiled mpi backend is not built "
+                                        "(python -m launcher.mpi.cxx)")
+
+
+@pytest.fixture
+def empty_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv(mpi_cxx.DIR_VARIABLE, str(tmp_path))
+    monkeypatch.setattr(mpi_cxx, "_module", None)
+    return tmp_path
+
+
+def test_not_built_falls_back_to_python_in_one_line(empty_dir):
+    choice = mpi_cxx.choose("auto")
+    assert choice.name == "mpi4py"
+    assert choice.reason == (f"the Python mpi backend: the compiled mpi backend is not built in "
+                             f"{empty_dir} (./scripts/bootstrap.sh or python -m launcher.mpi.cxx "
+                             "builds it)")
+    assert "\n" not in choice.reason
+
+
+def test_built_for_another_torch_falls_back_naming_both_versions(empty_dir):
+    (empty_dir / "ddp_mpi_cxx_0123456789abcdef.json").write_text(json.dumps({"torch": "2.9.0"}))
+    choice = mpi_cxx.choose("auto")
+    assert choice.name == "mpi4py"
+    assert f"built for torch 2.9.0, this is {torch.__version__}" in choice.reason
+
+
+def test_asking_for_the_compiled_backend_where_it_cannot_run_is_an_error(empty_dir):
+    with pytest.raises(LaunchError, match="not built") as caught:
+        mpi_cxx.choose("cxx")
+    assert "DDP_MPI_IMPL" in caught.value.hint
+
+
+def test_unknown_implementation_is_an_error():
+    with pytest.raises(LaunchError, match="DDP_MPI_IMPL='fast' is not one of auto, cxx"):
+        mpi_cxx.choose("fast")
+
+
+def test_python_is_taken_when_asked_for():
+    assert mpi_cxx.choose("python").name == "mpi4py"
+
+
+def test_the_build_key_changes_with_the_source_and_torch(monkeypatch):
+    name = mpi_cxx.module_name()
+    monkeypatch.setattr(torch, "__version__", "0.0.0")
+    assert mpi_cxx.module_name() != name
+
+
+@needs_build
+def test_a_second_build_with_nothing_changed_compiles_nothing():
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, "-m", "launcher.mpi.cxx"], capture_output=True,
+                            text=True, timeout=60, env=clean_environ(), cwd=REPO_ROOT)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"mpi_cxx: up to date: {mpi_cxx.built_path()}"
+    assert time.monotonic() - started < 20
+
+
+@needs_build
+def test_the_compiled_backend_runs_on_mpi4pys_library():
+    choice = mpi_cxx.choose("auto")
+    assert choice.name == mpi_cxx.BACKEND_NAME, choice.reason
+    assert mpi_cxx.loaded().library_version() == MPI.Get_library_version()
+    assert torch.__version__.split("+")[0] == mpi_cxx.loaded().TORCH_VERSION
+
+
+@needs_build
+@pytest.mark.mpi
+def test_launcher_check_says_which_implementation_runs():
+    result = run_mpi(2, ["-m", "launcher.check", "--backend", "mpi"], timeout=120)
+    assert result.returncode == 0, result.output
+    assert f"mpi: rank 0 runs the compiled mpi backend ({mpi_cxx.built_path()})" in result.stdout
+    fallback = run_mpi(2, ["-m", "launcher.check", "--backend", "mpi"], timeout=120,
+                       env={mpi_cxx.DIR_VARIABLE: str(REPO_ROOT / "nonexistent")})
+    assert fallback.returncode == 0, fallback.output
+    assert "mpi: rank 0 runs the Python mpi backend: the compiled mpi backend is not built" \
+        in fallback.stdout
+
+
+@needs_build
+@pytest.mark.mpi
+def test_training_ends_with_the_same_hash_on_both_implementations(tmp_path):
+    """``launcher.train --backend mpi``, 2 ranks, the same seed: the compiled backend (required
+    here: DDP_MPI_IMPL=cxx fails where it cannot run) and the Python one agree to the bit."""
+    flags = ["-m", "launcher.train", "--data-dir", str(tmp_path / "data"), "--backend", "mpi",
+             "--global-batch-size", "16", "--max-steps", "30", "--log-every", "10",
+             "--checkpoint-every", "0"]
+    digests = {}
+    for impl in ("cxx", "python"):
+        result = run_mpi(2, [*flags, "--run-dir", str(tmp_path / impl)], timeout=240,
+                         env={"DDP_MPI_IMPL": impl})
+        assert result.returncode == 0, result.output
+        found = dict(HASH.findall(result.stdout))
+        assert sorted(found) == ["0", "1"] and len(set(found.values())) == 1, result.output
+        digests[impl] = found["0"]
+    assert digests["cxx"] == digests["python"]
