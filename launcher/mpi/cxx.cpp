@@ -10,7 +10,7 @@
 // driven by Work::wait. Completion is found with MPI_Test; the GIL is never held while MPI
 // works (torch's bindings release it; only the timeout callback takes it).
 //
-// Past the group's timeout the Python callback decides (launcher.heartbeat.overdue): it raises
+// Past the group's timeout the Python callback decides (launcher.faults.heartbeat.overdue): it raises
 // PeerLost naming the silent ranks, or returns while every peer still beats, and the wait goes
 // on. A raised error fails the op, and every op after it on this group, with that exception.
 
@@ -52,7 +52,7 @@ bool g_native_half = false;       // the library reduces MPIX_C_FLOAT16 / MPIX_B
 
 [[noreturn]] void raiseLaunchError(const std::string& message, const std::string& hint) {
   py::gil_scoped_acquire gil;
-  auto error = py::module_::import("launcher.errors").attr("LaunchError")(message, hint);
+  auto error = py::module_::import("launcher.core.errors").attr("LaunchError")(message, hint);
   PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(error.ptr())), error.ptr());
   throw py::error_already_set();
 }
