@@ -1,4 +1,4 @@
-"""Who watches whom (``launcher.watch``): the topology's promises at every size, 1 ... 100,000.
+"""Who watches whom (``launcher.faults.watch``): its promises at every size, 1 ... 100,000.
 
 Each layout is a list of node names, one per rank, as a launcher places them: blocks of equal
 nodes, round-robin, lopsided (one big node beside small ones), two nodes, one node, one rank
@@ -15,7 +15,7 @@ from collections import Counter
 
 import pytest
 
-from launcher import side_channel, watch
+from launcher.faults import side_channel, watch
 
 SIZES = [1, 2, 3, 4, 5, 7, 8, 16, 63, 64, 100, 256, 1000, 1024, 4096, 10_000, 100_000]
 
