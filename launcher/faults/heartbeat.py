@@ -113,9 +113,10 @@ class Heartbeat:
         return self._cut_off
 
     def settle(self) -> list[int]:
-        """The silent ranks, waiting up to SILENT_S + 2 beats for one to show: just after a
-        failure the lost peer has not been silent for long yet."""
-        deadline = time.monotonic() + SILENT_S + 2 * BEAT_S
+        """The silent ranks, waiting up to SILENT_S + 4 beats for one to show: just after a
+        failure the lost peer has not been silent for long yet, and its watchers' word takes
+        a beat or two more (the watcher's next beat, the others' next read)."""
+        deadline = time.monotonic() + SILENT_S + 4 * BEAT_S
         while not (silent := self.silent()) and time.monotonic() < deadline:
             time.sleep(0.1)
         return silent

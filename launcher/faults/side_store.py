@@ -72,8 +72,9 @@ class StoreSideChannel(SideChannel):
     host_rank = 0
 
     def __init__(self, env: JobEnv, store: dist.Store):
+        start = timedelta(seconds=START_S)
         self._store = dist.TCPStore(env.master_addr, env.master_port, is_master=False,
-                                    timeout=timedelta(seconds=CALL_S))
+                                    timeout=start)  # also the connection's: many connect at once
         self._lock = threading.Lock()
         rank = env.rank
         self._box = f"{_ROOT}/box/{rank}"
@@ -81,7 +82,6 @@ class StoreSideChannel(SideChannel):
         self._store.compare_set(self._box, "", "")  # may hold a message already: kept
         self._store.set(f"{_ROOT}/beat/{rank}", "0")
         self._store.set(f"{_ROOT}/node/{rank}", env.node_name)
-        start = timedelta(seconds=START_S)
         if rank == 0:
             keys = [f"{_ROOT}/node/{other}" for other in range(env.world_size)]
             self._store.wait(keys, start)
@@ -90,6 +90,7 @@ class StoreSideChannel(SideChannel):
                             _runs([value.decode() for value in self._store.multi_get(keys)]))
         self._store.wait([f"{_ROOT}/nodes"], start)
         super().__init__(env, _expand(self._store.get(f"{_ROOT}/nodes")))
+        self._store.set_timeout(timedelta(seconds=CALL_S))
         self.watch = watch.watch(self.nodes, rank)
         self._reads = [f"{_ROOT}/beat/{other}" for other in self.watch.watched]
         self._reads += [self._box, self._all]
