@@ -1,5 +1,5 @@
 """The control plane's cost as the job grows: today's all-to-all heartbeats against the side
-channel's watch topology (``launcher.side_store``), side by side in one run.
+channel's watch topology (``launcher.faults.side_store``), side by side in one run.
 
     python -m benchmarks.control_plane [--ranks 8 64 256 1024] [--seconds 6] \
         [--json benchmarks/results/control-plane.json]
@@ -41,9 +41,9 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from launcher import heartbeat
-from launcher.env import detect_environment
-from launcher.side_store import StoreSideChannel
+from launcher.faults import heartbeat
+from launcher.faults.side_store import StoreSideChannel
+from launcher.placement.env import detect_environment
 
 RANKS_PER_NODE = 8
 EXTRAPOLATE = (10_000, 100_000)

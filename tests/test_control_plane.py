@@ -1,7 +1,7 @@
-"""16 ranks of ``launcher.train`` on simulated nodes: the survivors name exactly the ranks
+"""16 ranks of ``launcher.training.train`` on simulated nodes: the survivors name exactly the ranks
 that went silent (one stopped, one killed, a whole node killed), within ``--timeout-s`` + 10 s,
-though each rank only hears its two watched peers (``launcher.watch``): the watchers' word
-reaches every rank over the side channel (``launcher.side_channel``).
+though each rank only hears its two watched peers (``launcher.faults.watch``): the watchers' word
+reaches every rank over the side channel (``launcher.faults.side_channel``).
 
 Plain processes with torchrun's variables (gloo): four simulated nodes of four ranks each
 (``GROUP_RANK`` and ``DDP_HOSTS``), and every survivor's own exit status and words can be read.
@@ -20,8 +20,8 @@ import time
 
 import pytest
 
-from launcher.errors import EXIT_PEER_LOST
-from launcher.rendezvous import free_port
+from launcher.core.errors import EXIT_PEER_LOST
+from launcher.group.rendezvous import free_port
 from tests.fixtures.mpi import REPO_ROOT, clean_environ, mpiexec_path
 from tests.test_stuck_rank import _pid_of_rank, _train, _wait_until_training
 

@@ -33,8 +33,9 @@ from dataclasses import asdict, dataclass
 import torch.distributed as dist
 
 from launcher.core.errors import EXIT_RANK_FAILED, EXIT_USER_ERROR, LaunchError
-from launcher.faults import heartbeat
-from launcher.faults.side_channel import SideChannel, close_channel, open_channel
+from launcher.faults import heartbeat, side_channel
+from launcher.faults.side_channel import SideChannel, close_channel
+from launcher.faults.side_store import StoreSideChannel
 from launcher.placement.env import JobEnv
 
 #: how long a failing rank waits for its peers to take its notice before it ends anyway
@@ -188,10 +189,21 @@ def start(env: JobEnv, store: dist.Store | None) -> Watchdog:
     """The watchdog for this rank: over ``store`` when there is one, else over MPI."""
     if not env.is_distributed:
         return Watchdog(env, None)
-    channel = open_channel(env, store)
+    channel = side_channel.opened(_open_channel(env, store))
     # silence is the failure a failing rank cannot announce: the beats name it
     heartbeat.start(env, channel)
     return Watchdog(env, channel)
+
+
+def _open_channel(env: JobEnv, store: dist.Store | None) -> SideChannel:
+    """Collective: the side channel over ``store`` when there is one, else over MPI."""
+    if store is not None:
+        return StoreSideChannel(env, store)
+    from mpi4py import MPI
+
+    from launcher.faults.side_mpi import MpiSideChannel
+
+    return MpiSideChannel(env, MPI.COMM_WORLD)
 
 
 def end_process(status: int) -> None:

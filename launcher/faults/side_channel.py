@@ -1,24 +1,24 @@
 """The side channel: what the ranks tell each other outside the training's collectives.
 
-One per process, opened with the process group (``open_channel``, from ``launcher.faults.failfast``)
-and reached with ``current()``. It carries the heartbeats (``exchange``: a beat to this rank's
-watchers, ``launcher.faults.watch``), the fail-fast notices and silence reports (``broadcast``), and
-small messages and posts of any module (``send``, ``on``, ``post``, ``read``). Two transports
-with the same methods:
+One per process, opened with the process group (by ``launcher.faults.failfast.start``) and
+reached with ``current()``. It carries the heartbeats (``exchange``: a beat to this rank's
+watchers, ``launcher.faults.watch``), the fail-fast notices and silence reports (``broadcast``),
+and small messages and posts of any module (``send``, ``on``, ``post``, ``read``). Two
+transports with the same methods:
 
-- ``StoreSideChannel`` (gloo, nccl; ``launcher.faults.side_store``): one TCPStore client of
-  its own to the rendezvous store, beside the rendezvous' one (two connections per rank in
-  all). Not the rendezvous connection itself: a TCPStore client serves one call at a time, and NCCL blocks
+- ``StoreSideChannel`` (gloo, nccl; ``launcher.faults.side_store``): one TCPStore client of its
+  own to the rendezvous store, beside the rendezvous' one (two connections per rank in all). Not
+  the rendezvous connection itself: a TCPStore client serves one call at a time, and NCCL blocks
   that one in ``get`` when it creates a communicator (lazily, at the first collective), which
-  would hold up the beats for as long. Only calls that return at once go over it: one write
-  and one read per rank per beat.
-- ``MpiSideChannel`` (the mpi backend; ``launcher.faults.side_mpi``): MPI messages on a ``Dup`` of
-  ``MPI_COMM_WORLD``, looked for every ``MPI_POLL_S`` by a thread of its own; a broadcast
+  would hold up the beats for as long. Only calls that return at once go over it: one write and
+  one read per rank per beat.
+- ``MpiSideChannel`` (the mpi backend; ``launcher.faults.side_mpi``): MPI messages on a ``Dup``
+  of ``MPI_COMM_WORLD``, looked for every ``MPI_POLL_S`` by a thread of its own; a broadcast
   travels along two binomial trees rooted at its origin (O(log N) hops; a rank that stopped
   inside one tree leaves the other one to carry it).
 
-Handlers (``on``) run on the channel's own thread (the heartbeat's thread over the store):
-they must return quickly.
+Handlers (``on``) run on the channel's own thread (the heartbeat's thread over the store): they
+must return quickly.
 """
 
 from __future__ import annotations
@@ -136,20 +136,11 @@ def current() -> SideChannel | None:
     return _current
 
 
-def open_channel(env: JobEnv, store) -> SideChannel:
-    """Collective: the side channel over ``store`` when there is one, else over MPI."""
+def opened(channel: SideChannel) -> SideChannel:
+    """Make ``channel`` (just opened by ``launcher.faults.failfast.start``) this process's."""
     global _current
-    if store is not None:
-        from launcher.faults.side_store import StoreSideChannel
-
-        _current = StoreSideChannel(env, store)
-    else:
-        from mpi4py import MPI
-
-        from launcher.faults.side_mpi import MpiSideChannel
-
-        _current = MpiSideChannel(env, MPI.COMM_WORLD)
-    return _current
+    _current = channel
+    return channel
 
 
 def close_channel() -> None:
