@@ -41,9 +41,6 @@ HINT = ("look at the named node (died, stopped, out of memory, cut off the netwo
 
 #: the side channel's kind for "these ranks fell silent", told by their watchers to all
 SILENT_KIND = "ddp.silent"
-#: the side channel's kind for "this rank ends now, having named a lost peer": its silence
-#: from then on is no news (a survivor still waiting must not name the ones that ended first)
-LEAVING_KIND = "ddp.leaving"
 
 
 class Heartbeat:
@@ -59,8 +56,6 @@ class Heartbeat:
         self._heard = dict.fromkeys(beats.watch.watched, now)
         #: the ranks found silent by their watchers: this rank's own finds and those told
         self._told: set[int] = set()
-        #: the ranks that said they end (``LEAVING_KIND``)
-        self._left: set[int] = set()
         #: since when the store does not answer (None: it does, or there is none)
         self._cut_off: float | None = None
         #: when the exchange under way began: a stopped store host never answers, not even
@@ -68,7 +63,6 @@ class Heartbeat:
         self._calling: float | None = None
         self._stop = threading.Event()
         beats.on(SILENT_KIND, self._hear_silent)
-        beats.on(LEAVING_KIND, lambda message: self._left.add(message.source))
         self._thread = threading.Thread(target=self._beat, name="ddp-heartbeat", daemon=True)
         self._thread.start()
 
@@ -94,7 +88,7 @@ class Heartbeat:
     def _tell_silent(self, now: float) -> None:
         """Tell every rank of the watched ones that fell silent since the last beat."""
         found = [rank for rank, heard in self._heard.items()
-                 if now - heard > SILENT_S and rank not in self._told | self._left]
+                 if now - heard > SILENT_S and rank not in self._told]
         if found:
             self._told.update(found)
             with contextlib.suppress(Exception):  # the survivors still see what they watch
@@ -108,7 +102,6 @@ class Heartbeat:
         until = cut_off or self._calling or time.monotonic()
         silent = {rank for rank, heard in self._heard.items() if until - heard > SILENT_S}
         silent.update(rank for rank in self._told if rank != self._env.rank)
-        silent -= self._left
         return [0] if not silent and cut_off is not None else sorted(silent)
 
     def _stalled(self) -> float | None:
@@ -145,8 +138,6 @@ class Heartbeat:
                 f"{what}: rank 0's rendezvous store at {env.master_addr}:{env.master_port} "
                 f"does not answer: rank 0's node ({self.nodes[0]}) is lost, or "
                 f"{env.node_name} is cut off", HINT, nodes=(self.nodes[0],))
-        with contextlib.suppress(Exception):  # this rank ends next: its silence is no news
-            self._beats.broadcast(LEAVING_KIND, b"")
         names = ", ".join(f"rank {rank} ({self.nodes[rank]})" for rank in silent)
         return PeerLost(f"{what}: no heartbeat for {SILENT_S:.0f} s from {names}", HINT,
                         nodes=tuple(dict.fromkeys(self.nodes[rank] for rank in silent)))
