@@ -115,18 +115,9 @@ class Heartbeat:
     def settle(self) -> list[int]:
         """The silent ranks, waiting up to SILENT_S + 4 beats for one to show: just after a
         failure the lost peer has not been silent for long yet, and its watchers' word takes
-        a beat or two more (the watcher's next beat, the others' next read). Once one shows,
-        until the list has not grown for 2 beats: the ranks of a lost node are told by
-        different watchers, a beat or so apart."""
+        a beat or two more (the watcher's next beat, the others' next read)."""
         deadline = time.monotonic() + SILENT_S + 4 * BEAT_S
-        silent: list[int] = []
-        grew = time.monotonic()
-        while time.monotonic() < deadline:
-            now = self.silent()
-            if now != silent:
-                silent, grew = now, time.monotonic()
-            if silent and time.monotonic() - grew > 2 * BEAT_S:
-                break
+        while not (silent := self.silent()) and time.monotonic() < deadline:
             time.sleep(0.1)
         return silent
 
@@ -177,7 +168,7 @@ def overdue(what: str, elapsed: float, timeout_s: float, rank: int) -> None:
     failed = (f"{what} did not complete within {timedelta(seconds=round(elapsed))} "
               f"(this is rank {rank})")
     if silent:
-        raise beat.lost(failed, beat.settle())
+        raise beat.lost(failed, silent)
     if beat is None or elapsed > BUSY_LIMIT * timeout_s:
         raise PeerLost(
             failed + ("" if beat is None else ", although every rank still beats"),
