@@ -179,3 +179,23 @@ def test_binding_benchmark_compares_none_and_auto(tmp_path):
         rate > 0 for rate in report["median"].values())
     assert result.stdout.splitlines()[0].split() == ["--bind", "samples/s", "vs", "none",
                                                      "rounds"]
+
+
+def test_control_plane_benchmark_puts_both_designs_side_by_side(tmp_path):
+    out = tmp_path / "control-plane.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks.control_plane", "--ranks", "4", "8", "--seconds",
+         "2", "--json", str(out)], capture_output=True, text=True, timeout=300, cwd=REPO_ROOT)
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(out.read_text())["rows"]
+    measured = {(row["design"], row["ranks"]) for row in rows if not row.get("modelled")}
+    assert measured == {(design, size) for design in ("today (all-to-all)",
+                                                      "side channel (watch)") for size in (4, 8)}
+    by = {(row["design"], row["ranks"]): row for row in rows}
+    # today every rank reads every key; the side channel a handful, whatever the size
+    assert by["today (all-to-all)", 100_000]["store_keys_per_s"] > 1e9
+    assert by["side channel (watch)", 100_000]["store_keys_per_s"] < 1e6
+    assert by["side channel (watch)", 8]["store_connections"] == 16  # 2 per rank
+    assert by["today (all-to-all)", 8]["store_connections"] == 24  # 3 per rank
+    assert out.with_suffix(".png").exists()
+    assert "side channel (watch)" in result.stdout

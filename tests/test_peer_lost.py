@@ -19,6 +19,7 @@ import pytest
 
 from launcher.core.errors import EXIT_PEER_LOST, PeerLost
 from launcher.faults import heartbeat
+from launcher.faults.watch import Watch
 from launcher.group.rendezvous import free_port
 from launcher.placement.env import detect_environment
 from tests.fixtures.mpi import REPO_ROOT, clean_environ
@@ -36,12 +37,20 @@ def test_node_name_is_the_node_lists_entry_else_the_hostname(hosts, expected):
 
 
 class _Beats:
-    """Beats from the ranks in ``alive`` only; ``nodes`` as a transport gathers them."""
+    """A side channel of rank 1 watching ranks 0 and 2, with beats from the ranks in ``alive``
+    only; ``nodes`` as a transport gathers them."""
 
     nodes = ["n0", "n1", "n2"]
+    watch = Watch(watchers=(0, 2), watched=(0, 2))
 
     def __init__(self, alive: set[int]):
         self.alive = alive
+
+    def on(self, kind, handler) -> None:
+        pass
+
+    def broadcast(self, kind, payload) -> None:
+        pass
 
     def exchange(self) -> set[int]:
         return self.alive

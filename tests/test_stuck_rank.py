@@ -53,8 +53,8 @@ def _pid_of_rank(tag: str, rank: int, variable: str) -> int:
     pytest.fail(f"no process for rank {rank}")
 
 
-def _wait_until_training(process: subprocess.Popen) -> None:
-    deadline = time.monotonic() + 120
+def _wait_until_training(process: subprocess.Popen, within_s: float = 120) -> None:
+    deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
         line = process.stdout.readline()
         if re.match(r"(\[\d+\] )?step ", line):

@@ -253,7 +253,8 @@ def _witnessed(status_dir: str | Path | None, env: JobEnv) -> AbstractContextMan
     files = ExitStack()
     files.enter_context(rank_output.teed(Path(status_dir), env.rank, env.world_size,
                                          env.node_name))
-    files.enter_context(rank_record.kept(Path(status_dir), env.rank, env.node_name))
+    files.enter_context(rank_record.kept(Path(status_dir), env.rank, env.node_name,
+                                          touches=env.local_rank == 0))
     files.enter_context(exit_status.recorded(Path(status_dir), env.rank))
     return files
 

@@ -11,9 +11,9 @@ when MPI runs): launchers that end the whole job when one rank fails (Hydra, Ope
 torchrun) then report the true cause first, and take down the others. Where nobody does that
 (srun without ``--kill-on-bad-exit``, ranks started by hand) they end themselves a moment later.
 
-Notices travel over the rendezvous store when there is one (gloo, nccl: ``StoreChannel``, on a
-connection of its own, since a waiting TCPStore client holds up every call on its connection)
-or, with the mpi backend, over a duplicate of ``MPI_COMM_WORLD`` (``MpiChannel``, polled).
+Notices travel on the side channel (``launcher.faults.side_channel``) as one broadcast; each rank
+that takes one acknowledges it to the failing rank (and, over the store, to the store's host,
+rank 0, which must not end before the others have read it).
 Exit status: that of the failure, ``EXIT_RANK_FAILED`` for an exception and ``EXIT_USER_ERROR``
 for a LaunchError seen by one rank only; on every rank.
 """
@@ -23,26 +23,27 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import queue
 import sys
 import threading
 import time
 import traceback
 from dataclasses import asdict, dataclass
-from datetime import timedelta
 
 import torch.distributed as dist
 
 from launcher.core.errors import EXIT_RANK_FAILED, EXIT_USER_ERROR, LaunchError
-from launcher.faults import heartbeat, peer_lost
-from launcher.faults.c10d_log import quiet_c10d
+from launcher.faults import heartbeat, side_channel
+from launcher.faults.side_channel import SideChannel, close_channel
+from launcher.faults.side_store import StoreSideChannel
 from launcher.placement.env import JobEnv
 
 #: how long a failing rank waits for its peers to take its notice before it ends anyway
 ACK_WAIT_S = 5.0
 #: how long the other ranks leave the failing one to end first, before they end themselves
 FOLLOW_S = 2.0
-#: how often the MPI channel looks for a notice (each look is one MPI_Iprobe)
-MPI_POLL_S = 0.05
+#: the side channel's kinds: a failure, and "I took it"
+NOTICE_KIND, ACK_KIND = "ddp.notice", "ddp.ack"
 
 
 @dataclass(frozen=True)
@@ -87,120 +88,39 @@ class PeerFailed(Exception):
     """Another rank failed (what a survivor reports to torchrun's agent)."""
 
 
-class StoreChannel:
-    """Notices through the rendezvous store: one key per receiving rank, the first one stays."""
-
-    _KEY = "ddp/failfast/notice"
-    _ACKS = "ddp/failfast/acks"
-    _CLOSED = "ddp/failfast/closed"
-    _DONE = b"done"
-
-    def __init__(self, env: JobEnv, store: dist.Store):
-        self._env = env
-        self._store = store
-        self._received = False
-        # the watching thread's own connection: a client blocked in wait() holds its connection
-        self._watching = dist.TCPStore(env.master_addr, env.master_port, is_master=False,
-                                       timeout=timedelta(seconds=60))
-
-    def publish(self, notice: Notice) -> None:
-        for rank in range(self._env.world_size):
-            if rank != self._env.rank:
-                self._store.compare_set(f"{self._KEY}/{rank}", "", notice.encode())
-
-    def receive(self) -> Notice | None:
-        """Block until a notice arrives (None: closed, or the store is gone)."""
-        if self._received:
-            return None
-        self._received = True
-        key = f"{self._KEY}/{self._env.rank}"
-        try:
-            while True:
-                try:
-                    self._watching.wait([key], timedelta(hours=1))
-                    break
-                except dist.DistStoreError:  # an hour without news
-                    continue
-            value = self._watching.get(key)
-        except dist.DistError:  # the store's host ended: nothing more can come
-            return None
-        return None if value == self._DONE else Notice.decode(value)
-
-    def acknowledge(self, notice: Notice) -> None:
-        self._watching.add(self._ACKS, 1)
-
-    def acknowledged(self) -> int:
-        return self._store.add(self._ACKS, 0)
-
-    def close(self) -> None:
-        """Release this rank's watching thread (a notice that came first stays). Rank 0, whose
-        process hosts the store, stays until every rank has done so: a store gone under a
-        waiting client is an error there, logged with a C++ stack."""
-        with quiet_c10d(), contextlib.suppress(dist.DistError):
-            self._store.compare_set(f"{self._KEY}/{self._env.rank}", "", self._DONE)
-            self._store.add(self._CLOSED, 1)
-            if self._env.is_main:
-                _wait_until(lambda: self._store.add(self._CLOSED, 0) >= self._env.world_size)
-
-
-class MpiChannel:
-    """Notices as MPI messages on a communicator of their own, looked for every MPI_POLL_S."""
-
-    _NOTICE, _ACK = 1, 2
-
-    def __init__(self, env: JobEnv, world):
-        from mpi4py import MPI
-
-        self._mpi = MPI
-        self._env = env
-        self._comm = world.Dup()  # collective; never matches the training's messages
-        self._closed = threading.Event()
-        self._pending: list = []
-        self._acks = 0
-
-    def publish(self, notice: Notice) -> None:
-        self._pending = [self._comm.isend(notice.encode(), dest=rank, tag=self._NOTICE)
-                         for rank in range(self._env.world_size) if rank != self._env.rank]
-
-    def receive(self) -> Notice | None:
-        while not self._closed.wait(MPI_POLL_S):
-            if self._comm.Iprobe(source=self._mpi.ANY_SOURCE, tag=self._NOTICE):
-                return Notice.decode(self._comm.recv(source=self._mpi.ANY_SOURCE,
-                                                     tag=self._NOTICE))
-        return None
-
-    def acknowledge(self, notice: Notice) -> None:
-        self._comm.send(b"", dest=notice.rank, tag=self._ACK)
-
-    def acknowledged(self) -> int:
-        while self._comm.Iprobe(source=self._mpi.ANY_SOURCE, tag=self._ACK):
-            self._comm.recv(source=self._mpi.ANY_SOURCE, tag=self._ACK)
-            self._acks += 1
-        return self._acks
-
-    def close(self) -> None:
-        self._closed.set()
-
-
 class Watchdog:
     """Ends this rank when another one fails; tells the others when this one does."""
 
-    def __init__(self, env: JobEnv, channel: StoreChannel | MpiChannel | None):
+    def __init__(self, env: JobEnv, channel: SideChannel | None):
         self._env = env
         self._channel = channel
         self._failing = threading.Event()
         #: the notice of another rank's failure, once one came (the line is printed already)
         self.notice: Notice | None = None
+        self._notices: queue.SimpleQueue[Notice | None] = queue.SimpleQueue()
+        self._acks = 0
         self._thread = None
         if channel is not None:
+            channel.on(NOTICE_KIND, lambda message: self._notices.put(
+                Notice.decode(message.payload)))
+            channel.on(ACK_KIND, self._count_ack)
             self._thread = threading.Thread(target=self._watch, name="ddp-failfast",
                                             daemon=True)
             self._thread.start()
 
+    def _count_ack(self, _message) -> None:
+        self._acks += 1
+
+    def _acknowledge(self, notice: Notice) -> None:
+        host = self._channel.host_rank
+        for rank in dict.fromkeys([notice.rank, host]):
+            if rank is not None and rank != self._env.rank:
+                self._channel.send(rank, ACK_KIND)
+
     def _watch(self) -> None:
-        while (notice := self._channel.receive()) is not None:
+        while (notice := self._notices.get()) is not None:
             if self._failing.is_set():
-                self._channel.acknowledge(notice)
+                self._acknowledge(notice)
                 continue  # this rank reports a failure of its own
             self.notice = notice
             for line in notice.text().splitlines():
@@ -213,9 +133,10 @@ class Watchdog:
                     raise PeerFailed(notice.text().removeprefix("error: "))
                 except PeerFailed as exc:
                     _tell_torchrun(exc)
-            self._channel.acknowledge(notice)  # after the line: the failing rank ends next
-            if self._env.is_main and isinstance(self._channel, StoreChannel):
-                self._wait_for_acks()  # the store lives in this process: let the others read
+            self._acknowledge(notice)  # after the line: the failing rank ends next
+            if self._channel.host_rank == self._env.rank:
+                # the transport lives in this process: let the others read the notice
+                _wait_until(lambda: self._acks >= self._env.world_size - 2)
             time.sleep(FOLLOW_S)
             os._exit(notice.status)
 
@@ -232,21 +153,19 @@ class Watchdog:
         notice = Notice.of(self._env, exc)
         if self._channel is not None:
             try:
-                self._channel.publish(notice)
-                self._wait_for_acks()
+                self._channel.broadcast(NOTICE_KIND, notice.encode())
+                _wait_until(lambda: self._acks >= self._env.world_size - 1)
             except Exception:  # noqa: BLE001 - the channel is gone: the launcher must end the rest
                 pass
         return notice.status
-
-    def _wait_for_acks(self) -> None:
-        _wait_until(lambda: self._channel.acknowledged() >= self._env.world_size - 1)
 
     def close(self) -> None:
         """Stop watching (after a run every rank finished)."""
         if self._channel is None:
             return
         heartbeat.stop()
-        self._channel.close()
+        close_channel()
+        self._notices.put(None)
         self._thread.join(timeout=5)
 
 
@@ -270,16 +189,21 @@ def start(env: JobEnv, store: dist.Store | None) -> Watchdog:
     """The watchdog for this rank: over ``store`` when there is one, else over MPI."""
     if not env.is_distributed:
         return Watchdog(env, None)
-    if store is not None:
-        peer_lost.enrol(env, store)  # before any failure: a silent rank cannot say it later
-        channel: StoreChannel | MpiChannel = StoreChannel(env, store)
-    else:
-        from mpi4py import MPI
-
-        channel = MpiChannel(env, MPI.COMM_WORLD)
+    channel = side_channel.opened(_open_channel(env, store))
     # silence is the failure a failing rank cannot announce: the beats name it
-    heartbeat.start(env, store, peer_lost.NODE_KEY)
+    heartbeat.start(env, channel)
     return Watchdog(env, channel)
+
+
+def _open_channel(env: JobEnv, store: dist.Store | None) -> SideChannel:
+    """Collective: the side channel over ``store`` when there is one, else over MPI."""
+    if store is not None:
+        return StoreSideChannel(env, store)
+    from mpi4py import MPI
+
+    from launcher.faults.side_mpi import MpiSideChannel
+
+    return MpiSideChannel(env, MPI.COMM_WORLD)
 
 
 def end_process(status: int) -> None:

@@ -1,24 +1,26 @@
-"""Heartbeats: each rank hears from every other one every second, so a silent one can be named.
+"""Heartbeats: each rank is heard by its watchers every second, so a silent one can be named.
 
 A stopped process (SIGSTOP, a node frozen in swap, a hung file system) answers nothing and
-raises nothing: only its silence tells. Each rank runs a thread that every ``BEAT_S`` sends a
-beat to every other rank and notes when it last heard from each. A rank not heard for
-``SILENT_S`` is silent. The ranks' waits ask here, when their timeout passes, whether a peer is
-silent (``PeerLost`` naming its rank and node) or alive and busy (writing a checkpoint,
-evaluating: the wait goes on, up to ``BUSY_LIMIT`` times the timeout).
+raises nothing: only its silence tells. Each rank runs a thread that every ``BEAT_S`` beats to
+its two watchers (``launcher.faults.watch``) and notes when it last heard from the ranks it watches.
+A rank not heard for ``SILENT_S`` is silent: its watchers tell every rank (one broadcast on the
+side channel), so each survivor names every silent rank, not only the ones it watches. The
+ranks' waits ask here, when their timeout passes, whether a peer is silent (``PeerLost``
+naming its rank and node) or alive and busy (writing a checkpoint, evaluating: the wait goes
+on, up to ``BUSY_LIMIT`` times the timeout).
 
-Beats travel over the rendezvous store when there is one (gloo, nccl: a counter per rank on a
-connection of its own; when the store stops answering, its host, rank 0, is the silent one) or,
-with the mpi backend, as MPI messages on a duplicate of ``MPI_COMM_WORLD``.
+Beats travel on the side channel (``launcher.faults.side_channel``): over the rendezvous store when
+there is one (gloo, nccl; when the store stops answering, its host, rank 0, is the silent one)
+or, with the mpi backend, as MPI messages.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import threading
 import time
 from datetime import timedelta
-
-import torch.distributed as dist
 
 from launcher.core.errors import PeerLost
 from launcher.faults import hang_watch
@@ -38,81 +40,37 @@ HINT = ("look at the named node (died, stopped, out of memory, cut off the netwo
         "the same command again: it continues from the last checkpoint (launcher.train's "
         "--resume auto, job.resume in a script of your own)")
 
-_KEY = "ddp/heartbeat"
-_TAG = 7
-
-
-class StoreBeats:
-    """Beats as counters in the rendezvous store, one key per rank, all read at once."""
-
-    def __init__(self, env: JobEnv, store: dist.Store, node_key: str):
-        self._env = env
-        self._keys = [f"{_KEY}/{rank}" for rank in range(env.world_size)]
-        self._seen: list[bytes] = [b""] * env.world_size
-        self._count = 0
-        store.set(self._keys[env.rank], "0")
-        node_keys = [f"{node_key}/{rank}" for rank in range(env.world_size)]
-        store.wait(self._keys + node_keys)
-        self.nodes = [value.decode() for value in store.multi_get(node_keys)]
-        # the beating thread's own connection: a blocked client holds up its connection
-        self._store = dist.TCPStore(env.master_addr, env.master_port, is_master=False,
-                                    timeout=timedelta(seconds=SILENT_S))
-
-    def exchange(self) -> set[int]:
-        """Beat; the ranks heard since the last call. Raises when the store does not answer."""
-        self._count += 1
-        self._store.set(self._keys[self._env.rank], str(self._count))
-        values = self._store.multi_get(self._keys)
-        heard = {rank for rank, value in enumerate(values) if value != self._seen[rank]}
-        self._seen = values
-        return heard
-
-
-class MpiBeats:
-    """Beats as empty MPI messages on a communicator of their own."""
-
-    def __init__(self, env: JobEnv, world):
-        from mpi4py import MPI
-
-        self._mpi = MPI
-        self._env = env
-        self._comm = world.Dup()  # collective; never matches the training's messages
-        self.nodes = self._comm.allgather(env.node_name)
-        self._sends: dict[int, object] = {}
-
-    def exchange(self) -> set[int]:
-        heard = set()
-        status = self._mpi.Status()
-        while self._comm.Iprobe(source=self._mpi.ANY_SOURCE, tag=_TAG, status=status):
-            heard.add(status.Get_source())
-            self._comm.recv(source=status.Get_source(), tag=_TAG)
-        for peer in range(self._env.world_size):
-            # one beat in flight per peer: a stopped peer's do not pile up
-            if peer != self._env.rank and (peer not in self._sends or self._sends[peer].Test()):
-                self._sends[peer] = self._comm.isend(b"", dest=peer, tag=_TAG)
-        return heard
+#: the side channel's kind for "these ranks fell silent", told by their watchers to all
+SILENT_KIND = "ddp.silent"
 
 
 class Heartbeat:
-    """The beating thread and what it heard."""
+    """The beating thread, what it heard, and what the other watchers told."""
 
-    def __init__(self, env: JobEnv, beats: StoreBeats | MpiBeats):
+    def __init__(self, env: JobEnv, beats):
+        """``beats``: the side channel (``exchange``, ``watch``, ``nodes``, ``on``,
+        ``broadcast``)."""
         self._env = env
         self._beats = beats
         self.nodes: list[str] = beats.nodes
         now = time.monotonic()
-        self._heard = [now] * env.world_size
+        self._heard = dict.fromkeys(beats.watch.watched, now)
+        #: the ranks found silent by their watchers: this rank's own finds and those told
+        self._told: set[int] = set()
         #: since when the store does not answer (None: it does, or there is none)
         self._cut_off: float | None = None
         #: when the exchange under way began: a stopped store host never answers, not even
         #: with the client's timeout
         self._calling: float | None = None
         self._stop = threading.Event()
+        beats.on(SILENT_KIND, self._hear_silent)
         self._thread = threading.Thread(target=self._beat, name="ddp-heartbeat", daemon=True)
         self._thread.start()
 
-    def _beat(self) -> None:
+    def _hear_silent(self, message) -> None:
+        self._told.update(json.loads(message.payload))
 
+    def _beat(self) -> None:
         while not self._stop.wait(BEAT_S):
             self._calling = time.monotonic()
             try:
@@ -126,6 +84,16 @@ class Heartbeat:
             now = time.monotonic()
             for rank in heard:
                 self._heard[rank] = now
+            self._tell_silent(now)
+
+    def _tell_silent(self, now: float) -> None:
+        """Tell every rank of the watched ones that fell silent since the last beat."""
+        found = [rank for rank, heard in self._heard.items()
+                 if now - heard > SILENT_S and rank not in self._told]
+        if found:
+            self._told.update(found)
+            with contextlib.suppress(Exception):  # the survivors still see what they watch
+                self._beats.broadcast(SILENT_KIND, json.dumps(found).encode())
 
     def silent(self) -> list[int]:
         """The ranks not heard for SILENT_S; rank 0 alone when its store stopped answering
@@ -133,9 +101,9 @@ class Heartbeat:
         cut_off = self._stalled()
         # while an exchange is under way nobody could be heard: count silence up to its start
         until = cut_off or self._calling or time.monotonic()
-        silent = [rank for rank, heard in enumerate(self._heard)
-                  if rank != self._env.rank and until - heard > SILENT_S]
-        return [0] if not silent and cut_off is not None else silent
+        silent = {rank for rank, heard in self._heard.items() if until - heard > SILENT_S}
+        silent.update(rank for rank in self._told if rank != self._env.rank)
+        return [0] if not silent and cut_off is not None else sorted(silent)
 
     def _stalled(self) -> float | None:
         """Since when beats cannot be exchanged: a call failed, or hangs for SILENT_S."""
@@ -146,9 +114,10 @@ class Heartbeat:
         return self._cut_off
 
     def settle(self) -> list[int]:
-        """The silent ranks, waiting up to SILENT_S + 2 beats for one to show: just after a
-        failure the lost peer has not been silent for long yet."""
-        deadline = time.monotonic() + SILENT_S + 2 * BEAT_S
+        """The silent ranks, waiting up to SILENT_S + 4 beats for one to show: just after a
+        failure the lost peer has not been silent for long yet, and its watchers' word takes
+        a beat or two more (the watcher's next beat, the others' next read)."""
+        deadline = time.monotonic() + SILENT_S + 4 * BEAT_S
         while not (silent := self.silent()) and time.monotonic() < deadline:
             time.sleep(0.1)
         return silent
@@ -178,16 +147,10 @@ def current() -> Heartbeat | None:
     return _current
 
 
-def start(env: JobEnv, store: dist.Store | None, node_key: str) -> Heartbeat:
-    """Collective: start beating over ``store``, else over MPI."""
+def start(env: JobEnv, channel) -> Heartbeat:
+    """Start beating on the side channel ``channel`` (``launcher.faults.side_channel``)."""
     global _current
-    if store is not None:
-        beats: StoreBeats | MpiBeats = StoreBeats(env, store, node_key)
-    else:
-        from mpi4py import MPI
-
-        beats = MpiBeats(env, MPI.COMM_WORLD)
-    _current = Heartbeat(env, beats)
+    _current = Heartbeat(env, channel)
     return _current
 
 

@@ -17,8 +17,6 @@ from launcher.placement.env import JobEnv
 
 #: each rank's host name, set in the store at the rendezvous
 HOST_KEY = "ddp/host"
-#: each rank's node name (``JobEnv.node_name``), set in the store by ``enrol``
-NODE_KEY = "ddp/node"
 #: what torch and gloo put around the one useful clause: "[/path/pair.cc:553] " and
 #: "Got the following error when running the callback: RuntimeError: " (repeated)
 _NOISE = re.compile(
@@ -39,11 +37,6 @@ def first_line(exc: BaseException) -> str:
     """The one useful clause of a torch error, without C++ locations and frame dumps."""
     line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
     return _NOISE.sub("", line).split(". This is typically")[0]
-
-
-def enrol(env: JobEnv, store: dist.Store) -> None:
-    """Leave this rank's node name in the store, for the ranks that may have to name it."""
-    store.set(f"{NODE_KEY}/{env.rank}", env.node_name)
 
 
 def diagnose(env: JobEnv, backend: str, exc: BaseException) -> PeerLost:

@@ -9,12 +9,14 @@ memory). So each rank keeps ``<run-dir>/ranks/<rank>`` while it runs:
 - its first line is the rank's node, as Slurm names it (``JobEnv.node_name``);
 - Python's faulthandler appends a traceback when a fatal signal (SIGSEGV, SIGABRT, SIGBUS,
   SIGFPE, SIGILL) ends the rank: more than one line means "crashed";
-- a thread touches it every ``TOUCH_S``, so its modification time is when the rank was last
-  known alive (or when it crashed);
+- on each node one rank (local rank 0) touches its record every ``TOUCH_S``: the newest
+  record of a node tells when that node was last known alive (or when a rank of it crashed).
+  One touch per node, not per rank: on a parallel file system each touch is a metadata
+  operation on the run directory's metadata server;
 - every ending that Python sees removes it (exit statuses go to ``launcher.faults.exit_status``).
 
 What is left after a failed step tells the batch script (``ddp_tasks.batch_endings``) which
-ranks ended first without a word; their nodes are lost. Standard library only.
+nodes went quiet first; they are lost. Standard library only.
 """
 
 from __future__ import annotations
@@ -28,16 +30,18 @@ from pathlib import Path
 
 from launcher.core.run_files import RANK_RECORDS_DIR
 
-#: how often a running rank's record is touched: one metadata write per rank per interval
-#: on the run directory's file system (a parallel file system's metadata server serves them)
-TOUCH_S = 5.0
+#: how often each node's record is touched: one metadata write per node per interval on the
+#: run directory's file system. A Lustre or GPFS metadata server serves some 10,000s of
+#: operations per second for every job on the cluster; 15 s keeps a job of 1,000 nodes at 67
+#: per second (10,000 ranks on 1,250 nodes: 83), under 100
+TOUCH_S = 15.0
 
 
 class RankRecord:
     """This rank's record, open while it runs; nothing when the run directory is unwritable
     (the job's own checks report that)."""
 
-    def __init__(self, run_dir: Path, rank: int, node: str):
+    def __init__(self, run_dir: Path, rank: int, node: str, touches: bool = True):
         self._path = run_dir / RANK_RECORDS_DIR / str(rank)
         self._stop = threading.Event()
         self._faulthandler_was_on = faulthandler.is_enabled()
@@ -50,8 +54,11 @@ class RankRecord:
             self._file = None
             return
         faulthandler.enable(self._file, all_threads=True)
-        self._thread = threading.Thread(target=self._touch, name="ddp-rank-record", daemon=True)
-        self._thread.start()
+        self._thread = None
+        if touches:
+            self._thread = threading.Thread(target=self._touch, name="ddp-rank-record",
+                                            daemon=True)
+            self._thread.start()
 
     def _touch(self) -> None:
         while not self._stop.wait(TOUCH_S):
@@ -63,7 +70,8 @@ class RankRecord:
         if self._file is None:
             return
         self._stop.set()
-        self._thread.join()
+        if self._thread is not None:
+            self._thread.join()
         faulthandler.disable()
         if self._faulthandler_was_on:  # PYTHONFAULTHANDLER, or a script's own
             faulthandler.enable()
@@ -75,9 +83,10 @@ class RankRecord:
 
 
 @contextmanager
-def kept(run_dir: Path, rank: int, node: str) -> Iterator[None]:
-    """Keep this rank's record while the body runs."""
-    record = RankRecord(run_dir, rank, node)
+def kept(run_dir: Path, rank: int, node: str, touches: bool = True) -> Iterator[None]:
+    """Keep this rank's record while the body runs; ``touches``: this rank keeps its node's
+    time (local rank 0)."""
+    record = RankRecord(run_dir, rank, node, touches)
     try:
         yield
     finally:
