@@ -22,7 +22,6 @@ from tests.fixtures.left_behind import LeftBehind
 from tests.fixtures.mpi import REPO_ROOT, clean_environ, mpiexec_path
 
 # the ranks' exchanges travel on the side channel of issue 35, merged apart from this branch
-pytest.importorskip("launcher.faults.side_channel")
 
 SCRIPTS = Path(__file__).parent / "hang_scripts"
 TIMEOUT_S = 5

@@ -34,7 +34,7 @@ from pathlib import Path
 
 from launcher.core.atomic import write_atomic
 from launcher.core.errors import EXIT_HUNG
-from launcher.faults import flight_recorder, stacks
+from launcher.faults import flight_recorder, side_channel, stacks
 from launcher.faults.exit_status import record_hang
 from launcher.faults.hang_diagnosis import (
     BUSY,
@@ -302,10 +302,6 @@ def start(run_dir: Path | None, timeout_s: float, silent: Callable[[], list[int]
     """Watch for hangs over this process's side channel (none: not distributed). ``silent``:
     the ranks the heartbeats find silent; ``end``: how to end this process with a status."""
     global _current
-    try:
-        from launcher.faults import side_channel
-    except ImportError:  # the side channel (issue #35) is merged apart from this branch
-        return None
     channel = side_channel.current()
     _current = None if channel is None else HangWatch(channel, run_dir, timeout_s, silent, end)
     return _current

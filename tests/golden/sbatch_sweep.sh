@@ -48,12 +48,13 @@ requeue() {
     scontrol requeue "$job"
 }
 
-# The nodes of the ranks that ended first without a word (killed, or their node lost), when
-# no rank could say: the ranks' records left in $ranks_dir (launcher.faults.rank_record). A record's
-# first line is its node; more lines are a traceback (a fatal signal ended the rank); its time
-# is when the rank was last known alive. Silent records from before the first crash, or from
-# 10 s before the last record, are lost (a survivor may crash, or hang until srun's
-# --wait ends it, when its peer dies). Prints the crashes; none lost when nobody can tell.
+# The nodes that went quiet first (their ranks killed, or the node lost), when no rank could
+# say: the ranks' records left in $ranks_dir (launcher.faults.rank_record). A record's first
+# line is its node; more lines are a traceback (a fatal signal ended the rank); a node's newest
+# record is when it was last known alive (one rank per node touches its record). Silent nodes
+# from before the first crash, or from 30 s before the last record, are lost (a
+# survivor may crash, or hang until srun's --wait ends it, when its peer dies). Prints the
+# crashes; none lost when nobody can tell. One pass over the records: O(ranks) reads, once.
 quiet_first() {
     local mtime path lines node
     find "$ranks_dir" -type f -printf '%T@ %p\n' 2> /dev/null | while read -r mtime path; do
@@ -62,12 +63,14 @@ quiet_first() {
         [ "$lines" -le 1 ] || echo "job $job: rank ${path##*/} on $node:" \
             "$(sed -n 2p "$path") (traceback: $path)" >&2
         echo "$mtime $lines $node"
-    done | awk -v gap=10 '
+    done | awk -v gap=30 '
         $2 > 1 && (first == "" || $1 < first) { first = $1 }
-        { at[NR] = $1; silent[NR] = $2 <= 1; node[NR] = $3; if ($1 > last) last = $1 }
+        $2 > 1 { crashed[$3] = 1 }
+        !($3 in at) || $1 > at[$3] { at[$3] = $1 }
+        $1 > last { last = $1 }
         END {
             limit = first != "" ? first : last - gap
-            for (i = 1; i <= NR; i++) if (silent[i] && at[i] <= limit) print node[i]
+            for (n in at) if (!(n in crashed) && at[n] <= limit) print n
         }' | sort -u | paste -sd,
 }
 
