@@ -47,8 +47,10 @@ def _run(ranks: int, args: list[str]) -> tuple[int, str, float]:
 
 
 def _lines(output: str, rank: int) -> list[str]:
-    return [line.split("] ", 1)[1] for line in output.splitlines()
-            if line.startswith(f"[rank {rank}] hang:")]
+    """Rank's ``hang:`` lines, without the ``[node:rank]`` label other ranks' lines carry in
+    the job log (launcher.core.rank_output)."""
+    lines = (re.sub(r"^\[[^\]\s]+:\d+\] ", "", line) for line in output.splitlines())
+    return [line.split("] ", 1)[1] for line in lines if line.startswith(f"[rank {rank}] hang:")]
 
 
 CASES = [  # how, backend, ranks

@@ -105,7 +105,7 @@ class Ring:
         self.entries: deque[list] = deque(maxlen=CAPACITY)
 
 
-_rings: dict[object, Ring] = {}
+_rings: dict[str | None, Ring] = {}
 _kinds: dict[object, int] = {}
 _originals: dict[str, object] = {}
 #: the thread that makes the recorded calls (others' calls, e.g. a checkpoint thread's, too)
@@ -160,20 +160,26 @@ def short(path: str) -> str:
     return path[len(cwd):] if path.startswith(cwd) else path
 
 
+def _key(group) -> str | None:
+    """The ring's key of ``group``: None for the default group, else its name. Never the
+    group itself: a ring that held it would keep its threads alive past destroy_process_group
+    (and a default group captured before init would never compare equal)."""
+    if group is None or group is dist.GroupMember.WORLD:
+        return None
+    return str(getattr(group, "group_name", id(group)))
+
+
 def _ring(group) -> Ring:
     """The ring of ``group`` (None or WORLD: the default group), made on its first call."""
-    if group is dist.GroupMember.WORLD:
-        group = None
+    key = _key(group)
     with _lock:
-        ring = _rings.get(group)
+        ring = _rings.get(key)
         if ring is None:
-            ring = _rings[group] = Ring("world" if group is None else str(
-                getattr(group, "group_name", group)))
+            ring = _rings[key] = Ring("world" if key is None else key)
     return ring
 
 
 def _wrap(name: str, original, tensor_at: int | None, group_at: int | None):
-    world = dist.GroupMember.WORLD
     clock = time.monotonic_ns
     frame_of = sys._getframe
 
@@ -181,7 +187,8 @@ def _wrap(name: str, original, tensor_at: int | None, group_at: int | None):
         group = kwargs.get("group")
         if group is None and group_at is not None and len(args) > group_at:
             group = args[group_at]
-        ring = _rings.get(None if group is world else group) or _ring(group)
+        ring = _rings.get(None) if group is None else None
+        ring = ring or _ring(group)
         tensor = args[tensor_at] if tensor_at is not None and len(args) > tensor_at else None
         frame = frame_of(1)
         code = frame.f_code
