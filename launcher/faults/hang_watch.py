@@ -105,8 +105,8 @@ class HangWatch:
         self._looking.clear()
         if self.rank == DECIDER:
             _thread(self.decide)
-        else:
-            self._channel.send(DECIDER, "hang.check")
+        elif not _sent(self._channel.send, DECIDER, "hang.check"):
+            self._no_verdict.set()  # rank 0, the channel's host, has ended: nobody decides
 
     def await_verdict(self) -> None:
         """Ask, then wait for rank 0's line (which ends this process) or its word that there is
@@ -129,7 +129,7 @@ class HangWatch:
             return
         at, function = stacks.at(sys._getframe(1))
         where = self._where(ENDED, at, function)
-        self._channel.send(DECIDER, "hang.ended", json.dumps(where.to_dict()).encode())
+        _sent(self._channel.send, DECIDER, "hang.ended", json.dumps(where.to_dict()).encode())
 
     def _where(self, kind: str, at: str, function: str) -> Where:
         entry = flight_recorder.current()
@@ -152,8 +152,8 @@ class HangWatch:
         where = self._where(kind, *stacks.main_thread_at())
         where.stack = str(directory / f"rank-{self.rank}.txt")
         _write_files(directory, where, stacks.all_threads())
-        self._channel.post("hang.where", json.dumps({"round": asked["round"],
-                                                     "where": where.to_dict()}).encode())
+        _sent(self._channel.post, "hang.where", json.dumps({"round": asked["round"],
+                                                            "where": where.to_dict()}).encode())
 
     def _take_verdict(self, message) -> None:
         line = message.payload.decode()
@@ -161,7 +161,7 @@ class HangWatch:
             return
         self._verdict = line
         _print(self.rank, line)
-        self._channel.send(message.source, "hang.ack")
+        _sent(self._channel.send, message.source, "hang.ack")
         time.sleep(ACK_S / 2)  # rank 0 ends first (MPI_Abort): its status is the job's
         self._end(EXIT_HUNG)
 
@@ -262,6 +262,16 @@ def in_call() -> str:
     if entry is None or entry.state not in ("running", "failed"):
         return ""
     return f" in {entry.label()} at {entry.where}"
+
+
+def _sent(action: Callable, *args) -> bool:
+    """One call on the side channel; False when the channel is gone: its host, rank 0, ended
+    (with its verdict, or the heartbeats name it)."""
+    try:
+        action(*args)
+    except Exception:  # noqa: BLE001 - any failure means the same: the store is gone
+        return False
+    return True
 
 
 def _thread(target, *args) -> None:

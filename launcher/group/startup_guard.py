@@ -121,7 +121,7 @@ def _say(who: str, message: str, hint: str) -> None:
 
 def _unlink_segments(parent: int) -> None:
     """The MPICH segments the rank maps lose their names, as after a start-up that succeeded."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     from launcher.mpi import segments as mpi_segments
 
     try:
