@@ -170,7 +170,8 @@ Reduction reduction(at::ScalarType t, const ReduceOp& rop) {
       case ReduceOp::PREMUL_SUM: {
         r.op = MPI_SUM;
         ok = isFloat;
-        auto* s = dynamic_cast<c10d::PreMulSumSupplement*>(rop.supplement_.get());
+        // the name every torch since 2.4 has (2.13 made it an alias of PreMulSumSupplement)
+        auto* s = dynamic_cast<c10d::NCCLPreMulSumSupplement*>(rop.supplement_.get());
         if (s == nullptr) {
           ok = false;
         } else if (s->tensor_factor.defined()) {
