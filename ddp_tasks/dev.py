@@ -42,7 +42,9 @@ def pytest_command(args: str = "", workers: int | None = None) -> list[str]:
     (tests/fixtures/scheduling.py); 0 workers: in this process, as plain pytest."""
     workers = test_workers() if workers is None else workers
     spread = ["-n", str(workers), "--dist", "loadgroup"] if workers else []
-    return [sys.executable, "-m", "pytest", *spread, *shlex.split(args)]
+    # every run leaves its figures, so that two runs' drift can be compared test by test
+    timing = ["--timing-json", str(ROOT / "runs" / "test-timing.json")]
+    return [sys.executable, "-m", "pytest", *spread, *timing, *shlex.split(args)]
 
 
 @task(help={"args": "extra pytest arguments, e.g. '-m \"not docker\"' or '-k hostlist'",
