@@ -4,7 +4,8 @@
 
 Each JSON gets a PNG of the same name beside it: an all_reduce result (benchmarks/allreduce.py,
 also run across nodes by benchmarks/cluster.py) as bus bandwidth against message size with the
-link's floor; a weak-scaling result (benchmarks/train_scaling.py, cluster.py) as bars.
+link's floor; a weak-scaling result (benchmarks/train_scaling.py, cluster.py) as bars; a
+binding result (benchmarks/binding.py) as bars per rank count.
 """
 
 from __future__ import annotations
@@ -89,12 +90,43 @@ def scaling(rows: list[dict], title: str, path: Path) -> Path:
     return out
 
 
+def binding(result: dict, path: Path) -> Path:
+    """Samples/s of each --bind variant (benchmarks/binding.py) as bars, grouped by rank
+    count, each labelled with its ratio to ``none``."""
+    plt = _pyplot()
+    counts = sorted({row["ranks"] for row in result["rows"]})
+    modes = list(dict.fromkeys(row["mode"] for row in result["rows"]))
+    by = {(row["ranks"], row["mode"]): row for row in result["rows"] if row.get("median")}
+    figure, axes = plt.subplots(figsize=(6, 3.5))
+    width = 0.8 / len(modes)
+    for i, mode in enumerate(modes):
+        rows = [by.get((count, mode)) for count in counts]
+        bars = axes.bar([c + (i - (len(modes) - 1) / 2) * width for c in range(len(counts))],
+                        [row["median"] if row else 0 for row in rows], width,
+                        label=f"--bind {mode}")
+        axes.bar_label(bars, fontsize="small", labels=[
+            f"{row['median'] / by[(row['ranks'], modes[0])]['median']:.2f}x" if row else ""
+            for row in rows])
+    axes.set_xticks(range(len(counts)), [f"{count} ranks" for count in counts])
+    axes.set_ylabel("samples/s (median of rounds)")
+    axes.set_title(f"CPU training with and without binding, CPUs {result['host']['cpus']}",
+                   fontsize="medium")
+    axes.legend(fontsize="small", loc="lower right")
+    figure.tight_layout()
+    out = path.with_suffix(".png")
+    figure.savefig(out, dpi=110)
+    plt.close(figure)
+    return out
+
+
 def main(paths: list[str]) -> int:
     for name in paths:
         path = Path(name)
         result = json.loads(path.read_text())
         if "allreduce" in result and isinstance(result["allreduce"], list):
             print(f"wrote {allreduce(result, path)}")
+        elif "rows" in result and "host" in result:
+            print(f"wrote {binding(result, path)}")
         else:
             print(f"{path}: not an all_reduce result; scaling plots are written by their "
                   "benchmark", file=sys.stderr)

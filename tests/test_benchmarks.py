@@ -175,10 +175,11 @@ def test_binding_benchmark_compares_none_and_auto(tmp_path):
                             text=True, env=clean_environ(), cwd=REPO_ROOT, timeout=300)
     assert result.returncode == 0, result.stderr
     report = json.loads(out.read_text())
-    assert set(report["median"]) == {"none", "auto"} and all(
-        rate > 0 for rate in report["median"].values())
-    assert result.stdout.splitlines()[0].split() == ["--bind", "samples/s", "vs", "none",
-                                                     "rounds"]
+    assert [(row["ranks"], row["mode"]) for row in report["rows"]] == [(2, "none"), (2, "auto")]
+    assert all(row["median"] > 0 for row in report["rows"]) and report["host"]["numa_nodes"]
+    assert result.stdout.splitlines()[0].split() == ["ranks", "--bind", "samples/s", "vs",
+                                                     "none", "rounds"]
+    assert out.with_suffix(".png").stat().st_size > 0
 
 
 def test_control_plane_benchmark_puts_both_designs_side_by_side(tmp_path):

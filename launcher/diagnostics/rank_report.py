@@ -12,9 +12,10 @@ import torch
 import torch.distributed as dist
 
 from launcher.core.errors import LaunchError
+from launcher.group.process_group import gpu_addresses
 from launcher.mpi import library as mpi_library
 from launcher.placement import cpus as cpu_binding
-from launcher.placement import network, shm
+from launcher.placement import gpu_numa, network, shm
 from launcher.placement.env import JobEnv, planned_network
 
 #: what must be the same on every rank for the job to be trustworthy
@@ -61,6 +62,7 @@ class RankReport:
     warnings: tuple[str, ...]  # this node's limits below what its ranks need
     cpus: str = "-"  # the CPUs this rank may run on (a cpulist) and their NUMA nodes
     numa: str = "-"
+    gpu_numa: str = "-"  # the NUMA node this rank's GPU is attached to; "?" where sysfs says -1
 
 
 def collect_report(env: JobEnv, device: torch.device) -> RankReport:
@@ -100,7 +102,16 @@ def collect_report(env: JobEnv, device: torch.device) -> RankReport:
         warnings=tuple(shm.warnings(env.local_world_size, memory, network.has_rdma())),
         cpus=cpu_binding.format_cpulist(binding.cpus),
         numa=",".join(map(str, binding.numa)) or "-",
+        gpu_numa=_gpu_numa(device),
     )
+
+
+def _gpu_numa(device: torch.device) -> str:
+    addresses = gpu_addresses(device)
+    if device.type != "cuda" or device.index is None or device.index >= len(addresses):
+        return "-"
+    node = gpu_numa.numa_node(addresses[device.index])
+    return "?" if node is None else str(node)
 
 
 def _interface(env: JobEnv) -> str:
@@ -162,7 +173,7 @@ def _ranges(ranks: list[int]) -> str:
 
 def format_table(reports: list[RankReport]) -> str:
     columns = ("rank", "local_rank", "node_rank", "host", "launcher", "device", "cpus", "numa",
-               "interface",
+               "gpu_numa", "interface",
                "shm_mib", "memlock", "pmi", "mpi_abi", "python_version", "torch", "mpi4py",
                "mpi_library")
     rows = [[str(getattr(r, c)) for c in columns] for r in reports]

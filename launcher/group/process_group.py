@@ -38,6 +38,7 @@ from launcher.group.rendezvous import rendezvous_error, start_mpi, start_store
 from launcher.group.startup_guard import GRACE_S, guarded
 from launcher.mpi import library as mpi_library
 from launcher.placement.env import JobEnv, local_device_index
+from launcher.placement.gpu_numa import pci_address
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +61,25 @@ def bind_device(env: JobEnv, cuda_available: bool) -> torch.device:
     index = local_device_index(env, torch.cuda.device_count())
     torch.cuda.set_device(index)
     return torch.device("cuda", index)
+
+
+def gpu_addresses(device: torch.device) -> list[str]:
+    """The PCI addresses of the visible GPUs in CUDA's order ([] on CPU), for
+    ``launcher.placement.gpu_numa``. Read from torch, not nvidia-smi or
+    /proc/driver/nvidia: ``bind_device`` has created this rank's CUDA context already, and
+    CUDA's own view honours CUDA_VISIBLE_DEVICES (indices, UUIDs, MIG) and CUDA_DEVICE_ORDER
+    (its default, fastest first, cannot be read outside CUDA) with no second copy of those
+    rules and no subprocess per rank. A torch without the PCI fields gives [] (unknown)."""
+    if device.type != "cuda":
+        return []
+    found = []
+    for index in range(torch.cuda.device_count()):
+        props = torch.cuda.get_device_properties(index)
+        parts = [getattr(props, f"pci_{name}_id", None) for name in ("domain", "bus", "device")]
+        if not all(isinstance(part, int) for part in parts):
+            return []
+        found.append(pci_address(*parts))
+    return found
 
 
 @contextmanager

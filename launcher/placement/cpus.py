@@ -5,6 +5,8 @@ Unbound, each rank's threads wander over every core of the node and its memory o
 NUMA domain. ``plan`` splits the CPUs this process may use into one set per local rank, in
 NUMA order, so that a rank's set lies in as few NUMA nodes as possible: ``cores`` gives each
 rank an equal share of CPUs, ``numa`` whole NUMA nodes (ranks sharing a node share its CPUs).
+On GPU hosts ``beside_gpus`` gives each rank a share of the NUMA node its GPU is attached to
+(``launcher.placement.gpu_numa``).
 A mask the launcher already set (``srun --cpu-bind``, ``mpirun --bind-to``) is kept: a rank
 whose allowed CPUs are fewer than its cgroup's was bound by someone who knew the node.
 Read from /sys and ``sched_getaffinity`` only: O(CPUs) per rank, no communication.
@@ -20,6 +22,7 @@ from launcher.core.errors import LaunchError
 
 MODES = ("auto", "none", "numa", "cores")
 KEPT = "kept the launcher's binding"
+BESIDE = "beside its GPU"
 _NODES = Path("/sys/devices/system/node")
 
 
@@ -86,7 +89,7 @@ class Binding:
     cpus: frozenset[int]
     #: the NUMA nodes those CPUs lie in
     numa: tuple[int, ...]
-    #: "bound by --bind MODE", "kept the launcher's binding", or "unbound"
+    #: "bound by --bind MODE" (+ " beside its GPU"), "kept the launcher's binding", "unbound"
     how: str
     #: how many of the node's ranks run on these CPUs (their threads share them)
     share: int = 1
@@ -125,15 +128,40 @@ def plan(mode: str, allowed: frozenset[int], nodes: dict[int, frozenset[int]],
     return frozenset(ordered[start:end]), 1
 
 
+def beside_gpus(allowed: frozenset[int], nodes: dict[int, frozenset[int]],
+                gpus: tuple[int | None, ...], local_rank: int) -> frozenset[int] | None:
+    """This local rank's CPUs beside its GPU (pure): the allowed CPUs of the NUMA node its GPU
+    is attached to (``gpus``: each local rank's GPU's node), split evenly and disjointly
+    between the local ranks whose GPUs sit on that node, in local-rank order. None where that
+    cannot be: a GPU's node unknown, or with fewer allowed CPUs than ranks beside it."""
+    if local_rank >= len(gpus) or any(node is None for node in gpus):
+        return None
+    mine = gpus[local_rank]
+    peers = [rank for rank, node in enumerate(gpus) if node == mine]
+    cpus = sorted(nodes.get(mine, frozenset()) & allowed)
+    if len(cpus) < len(peers):
+        return None
+    index = peers.index(local_rank)
+    return frozenset(cpus[index * len(cpus) // len(peers):
+                          (index + 1) * len(cpus) // len(peers)])
+
+
 def decide(mode: str, allowed: frozenset[int], group: frozenset[int] | None,
            nodes: dict[int, frozenset[int]], local_rank: int, local_size: int,
-           gpu: bool = False) -> Binding:
-    """The binding to apply (pure): a mask narrower than the cgroup's (``group``) is kept;
-    ``auto`` binds by cores when the node has several ranks and a CPU for each of them, and
-    not on a GPU host (a GPU's NUMA node is not read here: cores bound far from it would cost
-    more than they gain)."""
+           gpus: tuple[int | None, ...] | None = None) -> Binding:
+    """The binding to apply (pure): a mask narrower than the cgroup's (``group``) is kept.
+    On a GPU host (``gpus``: the NUMA node of each local rank's GPU, () or None entries where
+    unknown), ``auto`` and ``numa`` bind each rank beside its GPU (``beside_gpus``); where
+    that cannot be, ``auto`` leaves GPU ranks unbound (cores far from the GPU would cost more
+    than they gain). Without GPUs ``auto`` binds by cores when the node has several ranks and
+    a CPU for each of them."""
     if group is not None and allowed < group:
         return Binding(allowed, numa_of(allowed, nodes), KEPT)
+    if gpus is not None and mode in ("auto", "numa"):
+        near = beside_gpus(allowed, nodes, gpus, local_rank)
+        if near is not None:
+            return Binding(near, numa_of(near, nodes), f"bound by --bind {mode} {BESIDE}")
+    gpu = gpus is not None
     if mode == "none" or (mode == "auto" and (gpu or not 1 < local_size <= len(allowed))):
         return Binding(allowed, numa_of(allowed, nodes), "unbound", local_size)
     if local_size > len(allowed) and mode == "cores":
@@ -152,11 +180,13 @@ def current() -> Binding:
     return Binding(allowed, numa_of(allowed, numa_nodes()), KEPT if kept else "unbound")
 
 
-def bind(mode: str, local_rank: int, local_size: int, gpu: bool = False) -> Binding:
-    """Decide and apply to every thread of this process (``sched_setaffinity`` of one thread
-    reaches only the threads it starts later; MPI's, the heartbeat's exist already)."""
+def bind(mode: str, local_rank: int, local_size: int,
+         gpus: tuple[int | None, ...] | None = None) -> Binding:
+    """Decide (``gpus`` as for ``decide``) and apply to every thread of this process
+    (``sched_setaffinity`` of one thread reaches only the threads it starts later; MPI's, the
+    heartbeat's exist already)."""
     allowed = frozenset(os.sched_getaffinity(0))
-    binding = decide(mode, allowed, cgroup_cpus(), numa_nodes(), local_rank, local_size, gpu)
+    binding = decide(mode, allowed, cgroup_cpus(), numa_nodes(), local_rank, local_size, gpus)
     if binding.how.startswith("bound") and binding.cpus != allowed:
         for task in Path("/proc/self/task").iterdir():
             try:

@@ -4,16 +4,22 @@ from __future__ import annotations
 
 import torch
 
+from launcher.group.process_group import gpu_addresses
 from launcher.placement import cpus, settings
 from launcher.placement.cpus import Binding
 from launcher.placement.env import JobEnv
+from launcher.placement.gpu_numa import local_gpu_nodes
 
 
 def use_cores_fairly(threads: int, env: JobEnv, device: torch.device, bind: str) -> Binding:
-    """Bind this rank's CPUs (``launcher.placement.cpus``), then give torch as many threads as
-    it has CPUs of its own: ranks sharing a node would otherwise each start one thread per core
-    and oversubscribe it. A LaunchError for a binding that cannot be (call it inside agree)."""
-    binding = cpus.bind(bind, env.local_rank, env.local_world_size, gpu=device.type == "cuda")
+    """Bind this rank's CPUs (``launcher.placement.cpus``; beside its GPU on GPU hosts), then
+    give torch as many threads as it has CPUs of its own: ranks sharing a node would otherwise
+    each start one thread per core and oversubscribe it. A LaunchError for a binding that
+    cannot be (call it inside agree)."""
+    gpus = None
+    if device.type == "cuda":
+        gpus = local_gpu_nodes(gpu_addresses(device), env.local_world_size)
+    binding = cpus.bind(bind, env.local_rank, env.local_world_size, gpus)
     if device.type == "cpu":
         torch.set_num_threads(threads or binding.threads)
     return binding
