@@ -126,7 +126,8 @@ class TrainConfig:
     bind: str = "auto"
     """CPU binding of the ranks sharing a node: cores (disjoint CPU sets in NUMA order), numa
     (whole NUMA nodes), none, or auto (cores when a CPU node has several ranks and a CPU for
-    each); a mask the launcher set (srun --cpu-bind, mpirun --bind-to) is always kept"""
+    each); on GPU hosts auto and numa give each rank CPUs of its GPU's NUMA node where sysfs
+    names it; a mask the launcher set (srun --cpu-bind, mpirun --bind-to) is always kept"""
 
     timeout_s: float = TIMEOUT_S
     """seconds a collective, and each start-up stage (+10 s), may wait on a peer that no
