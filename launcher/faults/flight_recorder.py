@@ -4,20 +4,24 @@ every rank and every backend, so that a hang can say who was where (``launcher.f
 ``install()`` wraps the collective and point-to-point functions of ``torch.distributed`` (the
 API a training script and ``launcher`` call, whatever the backend: gloo, nccl, mpi, mpi4py).
 Each call leaves one ``Entry`` in its group's ring of ``CAPACITY``: its sequence number in the
-group, the operation, the first tensor's shape and dtype, the calling Python frame outside
-torch and ``launcher`` (``file:line``), when it started and ended. A call that is under way has
-no end yet: that is where a rank waits.
+group, the operation, the first tensor's size in bytes and dtype, the calling Python frame
+outside torch and ``launcher`` (``file:line``), when it started and ended. A call that is under
+way has no end yet: that is where a rank waits.
+
+DDP's reducer calls the process group from C++, past these functions: its gradient buckets are
+recorded by the communication hook that ``launcher.faults.ddp_buckets`` gives the models the
+launcher wraps (``Job.wrap``, ``launcher.train``), as ``all_reduce #N (DDP bucket k)`` from the
+line that called backward. A DDP that a script builds itself keeps its buckets unrecorded:
+their waits show in the rank's stack.
 
 Why a wrapper and not torch's own Flight Recorder: torch 2.13 has one for gloo and nccl
 (``TORCH_FR_BUFFER_SIZE``, ``torch._C._distributed_c10d._dump_fr_trace``), but not for a
 backend written in Python such as the mpi4py one, its gloo entries stay "scheduled" with no
-start or end, and the frames it keeps end inside torch. What torch's recorder sees and this one
-does not: calls a C++ caller makes straight into the group (DDP's gradient buckets); their
-waits end up in the training loop's next recorded call or in the rank's stack.
+start or end, and the frames it keeps end inside torch.
 
-The cost, measured by ``python -m benchmarks.flight_recorder`` (benchmarks/README.md): 0.9 µs
-for the wrapper, 1.7 µs on a 4 KiB all_reduce, on this project's shared 2-core VM; nothing on
-DDP's own calls.
+The cost, measured by ``python -m benchmarks.flight_recorder`` (benchmarks/README.md): under
+1 µs a call on this project's shared 2-core VM; per DDP bucket a few µs more than DDP's own
+reducer.
 """
 
 from __future__ import annotations
@@ -66,8 +70,8 @@ class Entry:
     seq: int
     op: str
     group: str
-    #: the first tensor's shape and dtype (empty when the call takes none)
-    shape: list
+    #: the first tensor's size in bytes and dtype (None and empty when the call takes none)
+    nbytes: int | None
     dtype: str
     #: the caller outside torch and launcher, ``file:line``, and its function
     where: str
@@ -76,22 +80,25 @@ class Entry:
     end_ns: int | None
     #: "running", "done", "issued" (an async op returned its Work) or "failed"
     state: str
+    #: what the call is for, when a caller other than the user's code says (``DDP bucket 2``)
+    note: str | None = None
 
     def label(self) -> str:
-        return f"{self.op} #{self.seq}"
+        return f"{self.op} #{self.seq}" + (f" ({self.note})" if self.note else "")
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     @classmethod
     def of(cls, raw: list, group: str) -> Entry:
-        """From a ring's raw record: [seq, op, shape, dtype, code, lasti, start, end, state],
-        kept raw on the hot path (no strings made per call)."""
-        seq, op, shape, dtype, code, lasti, start, end, state = raw
-        return cls(seq, op, group, [] if shape is None else list(shape),
+        """From a ring's raw record (its fields: ``SEQ`` to ``NOTE``), kept raw on the hot
+        path: no strings made per call."""
+        seq, op, nbytes, dtype, code, lasti, start, end, state, note = raw
+        return cls(seq, op, group, nbytes,
                    "" if dtype is None else str(dtype).removeprefix("torch."),
                    "?" if code is None else f"{short(code.co_filename)}:{line_of(code, lasti)}",
-                   "?" if code is None else code.co_name, start, end, state)
+                   "?" if code is None else code.co_name, start, end,
+                   "running" if end is None else state, note)
 
 
 class Ring:
@@ -179,39 +186,80 @@ def _ring(group) -> Ring:
     return ring
 
 
+#: a raw record's fields, kept as a list on the hot path (no strings made per call)
+SEQ, OP, NBYTES, DTYPE, CODE, LASTI, START, END, STATE, NOTE = range(10)
+
+
 def _wrap(name: str, original, tensor_at: int | None, group_at: int | None):
-    clock = time.monotonic_ns
-    frame_of = sys._getframe
+    # names bound once, and "no such argument" as an index past any call's arguments: each
+    # global lookup or test skipped is a few tens of nanoseconds of a call that costs ~1 µs
+    clock, frame_of, kinds, rings = time.monotonic_ns, sys._getframe, _kinds, _rings
+    tensor_at = 99 if tensor_at is None else tensor_at
+    group_at = 99 if group_at is None else group_at
 
     def recorded(*args, **kwargs):
-        group = kwargs.get("group")
-        if group is None and group_at is not None and len(args) > group_at:
+        group = kwargs.get("group") if kwargs else None
+        if group is None and len(args) > group_at:
             group = args[group_at]
-        ring = _rings.get(None) if group is None else None
-        ring = ring or _ring(group)
-        tensor = args[tensor_at] if tensor_at is not None and len(args) > tensor_at else None
+        ring = rings.get(None) if group is None else None
+        if ring is None:
+            ring = _ring(group)
         frame = frame_of(1)
         code = frame.f_code
-        if _kinds.get(code) == 0:  # called from the user's code: the common case
+        if kinds.get(code) == 0:  # called from the user's code: the common case
             lasti = frame.f_lasti
         else:
             code, lasti = caller(frame)
         ring.count += 1
-        raw = [ring.count, name, None if tensor is None else tensor.shape,
-               None if tensor is None else tensor.dtype, code, lasti, clock(), None, "running"]
+        if len(args) > tensor_at:
+            # nbytes, not shape: a torch.Size made and kept costs ~0.4 µs a call
+            tensor = args[tensor_at]
+            raw = [ring.count, name, tensor.nbytes, tensor.dtype, code, lasti, clock(), None,
+                   "done", None]
+        else:
+            raw = [ring.count, name, None, None, code, lasti, clock(), None, "done", None]
         ring.entries.append(raw)
         try:
             result = original(*args, **kwargs)
         except BaseException:
-            raw[7], raw[8] = clock(), "failed"
+            raw[END], raw[STATE] = clock(), "failed"
             raise
-        raw[7], raw[8] = clock(), "done" if result is None else "issued"
+        raw[END] = clock()
+        if result is not None:
+            raw[STATE] = "issued"
         return result
 
     recorded.__name__ = recorded.__qualname__ = name
     recorded.__doc__ = original.__doc__
     recorded.__wrapped__ = original
     return recorded
+
+
+def begin(group, name: str, tensor, note: str) -> list:
+    """Record a call that a caller other than the wrapped functions makes (DDP's gradient
+    buckets, ``launcher.faults.ddp_buckets``), from the first frame outside torch and launcher
+    of this thread, else of the main thread (CUDA runs backward in a thread of torch's own);
+    ``finish`` ends it. What ``_wrap``'s wrapper does inline."""
+    code, lasti = caller(sys._getframe(1))
+    if code is None:
+        code, lasti = caller(sys._current_frames().get(threading.main_thread().ident))
+    ring = _ring(group)
+    ring.count += 1
+    raw = [ring.count, name, tensor.nbytes, tensor.dtype, code, lasti, time.monotonic_ns(),
+           None, "done", note]
+    ring.entries.append(raw)
+    return raw
+
+
+def finish(raw: list, failed: bool) -> None:
+    raw[END] = time.monotonic_ns()
+    if failed:
+        raw[STATE] = "failed"
+
+
+def original(name: str):
+    """torch.distributed's own ``name``, unrecorded (for a caller that records itself)."""
+    return _originals.get(name) or getattr(dist, name)
 
 
 def install() -> None:
@@ -265,8 +313,8 @@ def current() -> Entry | None:
         if not ring.entries:
             continue
         raw = ring.entries[-1]
-        if raw[7] is None:
+        if raw[END] is None:
             return Entry.of(raw, ring.name)
-        if newest is None or raw[6] > newest[0][6]:
+        if newest is None or raw[START] > newest[0][START]:
             newest = (raw, ring.name)
     return None if newest is None else Entry.of(*newest)
