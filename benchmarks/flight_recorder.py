@@ -13,7 +13,10 @@ processes falls on all alike; the best tenth of a round of each:
 - ``step``: a training step of launcher.train's default MLP under DDP (batch 32, SGD) plus the
   ``all_reduce`` of the loss that a training loop makes to log it; with the recorder the model
   is wrapped as ``Job.wrap`` does (its gradient bucket recorded, ``launcher.faults.ddp_buckets``),
-  without it and before, DDP's own reducer.
+  without it and before, DDP's own reducer;
+- ``step, torch's hook``: the same step with torch's ``allreduce_hook`` in every column (what
+  launcher.train registered before: a Python hook whose ``all_reduce`` the wrapper records),
+  which tells the price of any Python communication hook from that of the recording.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from launcher.faults import ddp_buckets
@@ -76,11 +80,11 @@ def contenders(recorders: dict) -> dict[str, tuple]:
                for mode, recorder in recorders.items()}
     images, labels = torch.rand(32, 1, 28, 28), torch.randint(0, 10, (32,))
 
-    def stepper(hooked: bool):
+    def stepper(hook):
         torch.manual_seed(0)
         model = DDP(build_model("mlp", 10, dropout=0.0).module)
-        if hooked:
-            model.register_comm_hook(None, ddp_buckets.allreduce)
+        if hook is not None:
+            model.register_comm_hook(None, hook)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
 
         def step():
@@ -90,12 +94,15 @@ def contenders(recorders: dict) -> dict[str, tuple]:
             dist.all_reduce(torch.zeros(1))
         return step
 
-    steps = {mode: stepper(mode == "with") for mode in recorders}
+    steps = {mode: stepper(ddp_buckets.allreduce if mode == "with" else None)
+             for mode in recorders}
     return {"wrapper": (20000, False, {mode: (lambda op=op: op(tensor))
                                        for mode, op in wrapped.items()}),
             "all_reduce 4 KiB": (5000, True,
                                  dict.fromkeys(recorders, lambda: dist.all_reduce(tensor))),
-            "step": (50, True, steps)}
+            "step": (100, True, steps),
+            "step, torch's hook": (100, True, {mode: stepper(default_hooks.allreduce_hook)
+                                               for mode in recorders})}
 
 
 def measure(rounds: int, recorders: dict) -> list[dict]:
@@ -138,16 +145,17 @@ def main() -> None:
         free.bind(("127.0.0.1", 0))
         port = free.getsockname()[1]
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)  # several threads on a loaded machine time the load, not the step
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
         rows = measure(args.rounds, recorders)
     finally:
         dist.destroy_process_group()
     modes = list(recorders)
-    print(f"{'measure':>18} " + " ".join(f"{m + ' us':>11}" for m in modes)
+    print(f"{'measure':>20} " + " ".join(f"{m + ' us':>11}" for m in modes)
           + " " + " ".join(f"{m + ' +us':>11} {'%':>6}" for m in modes[1:]))
     for r in rows:
-        print(f"{r['measure']:>18} " + " ".join(f"{r[m + '_us']:>11.2f}" for m in modes) + " "
+        print(f"{r['measure']:>20} " + " ".join(f"{r[m + '_us']:>11.2f}" for m in modes) + " "
               + " ".join(f"{r[m + '_overhead_us']:>11.2f} {r[m + '_overhead_pct']:>6.1f}"
                          for m in modes[1:]))
     if args.json:

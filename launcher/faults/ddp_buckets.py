@@ -5,10 +5,12 @@ functions, so a rank that never reaches backward would leave the others waiting 
 no recorder saw. ``allreduce`` is a DDP communication hook that does what the reducer does
 without one (multiply the bucket by 1/size, sum it over the group) and records each bucket as
 ``all_reduce #N (DDP bucket k)``, from the line that called backward, ended when its result is
-ready. The models the launcher wraps get it (``Job.wrap``, ``launcher.train``); it costs a few
-µs per bucket of megabytes (benchmarks/README.md). The weights stay bit-identical to DDP's own
-reducer's (tests/test_flight_recorder.py, 3 ranks); torch's ``default_hooks.allreduce_hook``
-divides by the size instead, which differs in the last bit where the size is not a power of 2.
+ready. The models the launcher wraps get it (``Job.wrap``, ``launcher.train``); it costs what
+torch's own Python hook costs: on CPU one pass over the gradients and a few hand-overs of the
+GIL per bucket, ~0.1 ms on a 1 ms step of a small MLP (benchmarks/README.md). The weights
+stay bit-identical to DDP's own reducer's (tests/test_flight_recorder.py, 3 ranks); torch's
+``default_hooks.allreduce_hook`` divides by the size instead, which differs in the last bit
+where the size is not a power of 2.
 
 The mpi4py backend (``launcher.mpi``) records nothing itself: its calls are recorded here and
 by the wrapped functions, like gloo's and nccl's.
