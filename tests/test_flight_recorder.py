@@ -96,6 +96,19 @@ def test_ddp_buckets_are_recorded_from_the_backward_line(group):
     assert fr.current().label() == f"all_reduce #{bucket['seq']} (DDP bucket 0)"
 
 
+def test_a_bucket_from_a_thread_of_torchs_own_is_placed_where_the_main_thread_is(group):
+    """CUDA runs backward, and so the hook, in a thread of the autograd engine, with no frame
+    of the user's: the call is placed where the main thread waits for it."""
+    # a Timer: only the standard library's frames, and time for the main thread to wait
+    worker = threading.Timer(0.2, fr.begin, args=(None, "all_reduce", torch.ones(2),
+                                                  "DDP bucket 0"))
+    worker.start()
+    worker.join()  # the main thread
+    bucket = fr.snapshot()[-1]
+    assert bucket["where"].endswith(f"test_flight_recorder.py:{_line('# the main thread')}")
+    assert bucket["state"] == "running"
+
+
 def test_the_recorded_hook_keeps_ddps_own_weights():
     """3 ranks (gloo): the same weights, bit for bit, as DDP's own reducer, which multiplies
     by 1/3 where torch's allreduce_hook divides by 3 (the last bit differs)."""
