@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import socket
 import threading
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
+from launcher.faults import ddp_buckets
 from launcher.faults import flight_recorder as fr
+from tests.fixtures.mpi import json_objects, run_mpi
 
 
 @pytest.fixture
@@ -40,7 +44,7 @@ def test_each_call_is_recorded_with_its_caller(group):
     assert [(e["seq"], e["op"], e["state"]) for e in entries] == [
         (1, "all_reduce", "done"), (2, "barrier", "done")]
     first = entries[0]
-    assert first["shape"] == [4, 2] and first["dtype"] == "float32"
+    assert first["nbytes"] == 4 * 2 * 4 and first["dtype"] == "float32"
     assert first["where"].endswith(f"test_flight_recorder.py:{_line('# first call')}")
     assert first["function"] == "test_each_call_is_recorded_with_its_caller"
     assert first["start_ns"] <= first["end_ns"]
@@ -78,3 +82,40 @@ def test_only_the_last_entries_stay(group):
         dist.all_reduce(tensor)
     seqs = [e["seq"] for e in fr.snapshot()]
     assert len(seqs) == fr.CAPACITY and seqs[-1] == fr.CAPACITY + 5
+
+
+def test_ddp_buckets_are_recorded_from_the_backward_line(group):
+    model = DistributedDataParallel(torch.nn.Linear(3, 2))
+    model.register_comm_hook(None, ddp_buckets.allreduce)
+    model(torch.ones(4, 3)).sum().backward()  # the backward
+    bucket = fr.snapshot()[-1]
+    assert (bucket["op"], bucket["note"], bucket["state"]) == ("all_reduce", "DDP bucket 0",
+                                                               "done")
+    assert bucket["nbytes"] == (3 * 2 + 2) * 4 and bucket["dtype"] == "float32"
+    assert bucket["where"].endswith(f"test_flight_recorder.py:{_line('# the backward')}")
+    assert fr.current().label() == f"all_reduce #{bucket['seq']} (DDP bucket 0)"
+
+
+def test_a_bucket_from_a_thread_of_torchs_own_is_placed_where_the_main_thread_is(group):
+    """CUDA runs backward, and so the hook, in a thread of the autograd engine, with no frame
+    of the user's: the call is placed where the main thread waits for it."""
+    # a Timer: only the standard library's frames, and time for the main thread to wait
+    worker = threading.Timer(0.2, fr.begin, args=(None, "all_reduce", torch.ones(2),
+                                                  "DDP bucket 0"))
+    worker.start()
+    worker.join()  # the main thread
+    bucket = fr.snapshot()[-1]
+    assert bucket["where"].endswith(f"test_flight_recorder.py:{_line('# the main thread')}")
+    assert bucket["state"] == "running"
+
+
+def test_the_recorded_hook_keeps_ddps_own_weights():
+    """3 ranks (gloo): the same weights, bit for bit, as DDP's own reducer, which multiplies
+    by 1/3 where torch's allreduce_hook divides by 3 (the last bit differs)."""
+    result = run_mpi(3, [str(Path(__file__).parent / "ddp_buckets_worker.py")], timeout=120)
+    assert result.returncode == 0, result.output
+    ranks = json_objects(result.stdout)
+    assert len(ranks) == 3, result.output
+    for rank in ranks:
+        assert rank["own"] == rank["hooked"], rank
+        assert rank["buckets"] == ["DDP bucket 0"], rank

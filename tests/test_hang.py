@@ -109,3 +109,23 @@ def test_acceptance_rank_2_skips_the_5th_all_reduce(tmp_path):
     again = subprocess.run([sys.executable, "-m", "launcher.hang", str(tmp_path)],
                            capture_output=True, text=True, env=clean_environ(), cwd=REPO_ROOT)
     assert again.stdout.splitlines()[0] == line
+
+
+@pytest.mark.parametrize("backend", ["gloo", "mpi"])
+def test_a_rank_that_never_reaches_backward(backend, tmp_path):
+    """DDP's gradient all_reduce goes from C++ into the group: the model wrapped by
+    ``job.wrap`` records it, so the line names the bucket and where the others called
+    backward."""
+    status, output, ended = _run(2, [str(SCRIPTS / "backward.py"), backend, str(tmp_path)])
+    since = float(re.search(r"waiting since (\S+)", output).group(1))
+    assert ended - since <= TIMEOUT_S + BOUND_S, output
+    assert status == EXIT_HUNG, output
+    line = _lines(output, 0)[0]
+    assert _lines(output, 1) == [line], output
+    call = r"all_reduce #(\d+) \(DDP bucket 0\)"
+    found = re.fullmatch(
+        rf"hang: rank 1 \(vm\) never entered {call}: it is at "
+        rf"{re.escape(_line('backward.py', 'the spin'))} in <module> \(stack: [^)]+\); "
+        rf"rank 0 \(vm\) waits in {call} at {re.escape(_line('backward.py', 'the backward'))}"
+        r": it does not reach the collective the others wait in", line)
+    assert found and found.group(1) == found.group(2), line

@@ -3,7 +3,7 @@
     import launcher
 
     with launcher.distributed() as job:            # mpiexec, mpirun, srun, torchrun, python
-        model = DDP(Net().to(job.device), device_ids=job.device_ids)
+        model = job.wrap(Net())                      # DDP on this rank's device
         state = job.resume(CHECKPOINTS)             # newest valid checkpoint, or None
         first_step = 0 if state is None else state["step"]   # save stored it
         for step in range(first_step, steps):
@@ -33,6 +33,8 @@ from typing import NoReturn, TextIO
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from launcher.api import checkpoint
 from launcher.core import rank_output
@@ -43,7 +45,7 @@ from launcher.core.errors import (
     LaunchError,
 )
 from launcher.core.logging_utils import print_lines
-from launcher.faults import exit_status, rank_record
+from launcher.faults import ddp_buckets, exit_status, rank_record
 from launcher.faults.agreement import agree
 from launcher.faults.exits import exit_statuses
 from launcher.faults.preemption import Preempted, PreemptionWatch
@@ -95,6 +97,16 @@ class Job:
     def device_ids(self) -> list[int] | None:
         """What ``DistributedDataParallel(device_ids=...)`` wants for ``device``."""
         return [self.device.index] if self.device.type == "cuda" else None
+
+    def wrap(self, module: nn.Module, **options) -> DistributedDataParallel:
+        """``module`` on this rank's device in ``DistributedDataParallel(module, device_ids=,
+        **options)``, whose gradient all-reduces the flight recorder sees: a hang in backward
+        names the bucket and the line (``launcher.faults.ddp_buckets``). Same gradients as
+        DDP's own; a communication hook of your own needs a DDP of your own."""
+        ddp = DistributedDataParallel(module.to(self.device), device_ids=self.device_ids,
+                                      **options)
+        ddp.register_comm_hook(ddp.process_group, ddp_buckets.allreduce)
+        return ddp
 
     def print(self, *values: object, every_rank: bool = False, sep: str = " ",
               file: TextIO | None = None) -> None:

@@ -4,27 +4,30 @@ every rank and every backend, so that a hang can say who was where (``launcher.f
 ``install()`` wraps the collective and point-to-point functions of ``torch.distributed`` (the
 API a training script and ``launcher`` call, whatever the backend: gloo, nccl, mpi, mpi4py).
 Each call leaves one ``Entry`` in its group's ring of ``CAPACITY``: its sequence number in the
-group, the operation, the first tensor's shape and dtype, the calling Python frame outside
-torch and ``launcher`` (``file:line``), when it started and ended. A call that is under way has
-no end yet: that is where a rank waits.
+group, the operation, the first tensor's size in bytes and dtype, the calling Python frame
+outside torch and ``launcher`` (``file:line``), when it started and ended. A call that is under
+way has no end yet: that is where a rank waits.
+
+DDP's reducer calls the process group from C++, past these functions: its gradient buckets are
+recorded by the communication hook that ``launcher.faults.ddp_buckets`` gives the models the
+launcher wraps (``Job.wrap``, ``launcher.train``), as ``all_reduce #N (DDP bucket k)`` from the
+line that called backward. A DDP that a script builds itself keeps its buckets unrecorded:
+their waits show in the rank's stack.
 
 Why a wrapper and not torch's own Flight Recorder: torch 2.13 has one for gloo and nccl
 (``TORCH_FR_BUFFER_SIZE``, ``torch._C._distributed_c10d._dump_fr_trace``), but not for a
 backend written in Python such as the mpi4py one, its gloo entries stay "scheduled" with no
-start or end, and the frames it keeps end inside torch. What torch's recorder sees and this one
-does not: calls a C++ caller makes straight into the group (DDP's gradient buckets); their
-waits end up in the training loop's next recorded call or in the rank's stack.
+start or end, and the frames it keeps end inside torch.
 
-The cost, measured by ``python -m benchmarks.flight_recorder`` (benchmarks/README.md): 0.9 µs
-for the wrapper, 1.7 µs on a 4 KiB all_reduce, on this project's shared 2-core VM; nothing on
-DDP's own calls.
+The cost, measured by ``python -m benchmarks.flight_recorder`` (benchmarks/README.md): 0.6 µs
+for the wrapper, about 1 µs on a 4 KiB all_reduce, on this project's loaded 2-core VM; a DDP
+bucket recorded costs what any Python communication hook costs (torch's own included).
 """
 
 from __future__ import annotations
 
-import os
+import inspect
 import sys
-import sysconfig
 import threading
 import time
 from collections import deque
@@ -33,6 +36,8 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
 import torch.distributed as dist
+
+from launcher.faults import call_site
 
 #: entries kept per process group
 CAPACITY = 64
@@ -49,11 +54,6 @@ _CALLS: dict[str, tuple[int | None, int | None]] = {
     "scatter_object_list": (None, 3), "send": (0, 2), "recv": (0, 2), "isend": (0, 2),
     "irecv": (0, 2), "batch_isend_irecv": (None, None),
 }
-#: the frames a call's place skips: torch's, this package's and the standard library's
-#: (``python -m``'s runpy, context managers, thread waits), not the installed packages'
-_TORCH, _LAUNCHER = (os.path.dirname(os.path.abspath(sys.modules[m].__file__)) + os.sep
-                     for m in ("torch", "launcher"))
-_STDLIB = os.path.abspath(sysconfig.get_paths()["stdlib"]) + os.sep
 
 
 @dataclass
@@ -66,8 +66,8 @@ class Entry:
     seq: int
     op: str
     group: str
-    #: the first tensor's shape and dtype (empty when the call takes none)
-    shape: list
+    #: the first tensor's size in bytes and dtype (None and empty when the call takes none)
+    nbytes: int | None
     dtype: str
     #: the caller outside torch and launcher, ``file:line``, and its function
     where: str
@@ -76,22 +76,25 @@ class Entry:
     end_ns: int | None
     #: "running", "done", "issued" (an async op returned its Work) or "failed"
     state: str
+    #: what the call is for, when a caller other than the user's code says (``DDP bucket 2``)
+    note: str | None = None
 
     def label(self) -> str:
-        return f"{self.op} #{self.seq}"
+        return f"{self.op} #{self.seq}" + (f" ({self.note})" if self.note else "")
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     @classmethod
     def of(cls, raw: list, group: str) -> Entry:
-        """From a ring's raw record: [seq, op, shape, dtype, code, lasti, start, end, state],
-        kept raw on the hot path (no strings made per call)."""
-        seq, op, shape, dtype, code, lasti, start, end, state = raw
-        return cls(seq, op, group, [] if shape is None else list(shape),
+        """From a ring's raw record (its fields: ``SEQ`` to ``NOTE``), kept raw on the hot
+        path: no strings made per call."""
+        seq, op, nbytes, dtype, code, lasti, start, end, state, note = raw
+        return cls(seq, op, group, nbytes,
                    "" if dtype is None else str(dtype).removeprefix("torch."),
-                   "?" if code is None else f"{short(code.co_filename)}:{line_of(code, lasti)}",
-                   "?" if code is None else code.co_name, start, end, state)
+                   "?" if code is None else call_site.where(code, lasti),
+                   "?" if code is None else code.co_name, start, end,
+                   "running" if end is None else state, note)
 
 
 class Ring:
@@ -106,58 +109,9 @@ class Ring:
 
 
 _rings: dict[str | None, Ring] = {}
-_kinds: dict[object, int] = {}
 _originals: dict[str, object] = {}
 #: the thread that makes the recorded calls (others' calls, e.g. a checkpoint thread's, too)
 _lock = threading.Lock()
-
-
-def _kind(code) -> int:
-    """0: the user's code, 1: launcher's, 2: torch's or the standard library's."""
-    kind = _kinds.get(code)
-    if kind is None:
-        name = code.co_filename
-        path = os.path.abspath(name)
-        stdlib = name.startswith("<frozen") or (
-            path.startswith(_STDLIB) and "-packages" + os.sep not in path)
-        kind = _kinds[code] = (2 if stdlib or path.startswith(_TORCH)
-                               else 1 if path.startswith(_LAUNCHER) else 0)
-    return kind
-
-
-def caller(frame) -> tuple[object, int]:
-    """The code and bytecode offset (``f_lasti``: cheaper than ``f_lineno``; ``line_of`` turns
-    it into a line) of the first frame from ``frame`` outward that is neither torch's nor
-    launcher's; when all are (``launcher.train``), of the first launcher one."""
-    first_launcher = None
-    while frame is not None:
-        code = frame.f_code
-        kind = _kinds.get(code)
-        if kind is None:
-            kind = _kind(code)
-        if kind == 0:
-            return code, frame.f_lasti
-        if kind == 1 and first_launcher is None:
-            first_launcher = frame
-        frame = frame.f_back
-    if first_launcher is None:
-        return None, 0
-    return first_launcher.f_code, first_launcher.f_lasti
-
-
-def line_of(code, lasti: int) -> int:
-    """The source line of bytecode offset ``lasti`` in ``code``."""
-    line = code.co_firstlineno
-    for start, end, number in code.co_lines():
-        if start <= lasti < end and number is not None:
-            return number
-    return line
-
-
-def short(path: str) -> str:
-    """A path relative to the working directory when inside it, else as given."""
-    cwd = os.getcwd() + os.sep
-    return path[len(cwd):] if path.startswith(cwd) else path
 
 
 def _key(group) -> str | None:
@@ -179,39 +133,119 @@ def _ring(group) -> Ring:
     return ring
 
 
+#: a raw record's fields, kept as a list on the hot path (no strings made per call)
+SEQ, OP, NBYTES, DTYPE, CODE, LASTI, START, END, STATE, NOTE = range(10)
+
+
+#: the wrapper's body: written out per function with the function's own parameters (no
+#: ``*args, **kwargs`` to pack and unpack, no argument looked up by position: ~0.2 µs a call)
+_BODY = """
+def recorded({parameters}):
+    ring = rings_get(None) if {group} is None else None
+    if ring is None:
+        ring = ring_of({group})
+    frame = frame_of(1)
+    code = frame.f_code
+    if kinds_get(code) == 0:  # called from the user's code: the common case
+        lasti = frame.f_lasti
+    else:
+        code, lasti = caller(frame)
+    ring.count += 1
+    # nbytes, not shape: a torch.Size made and kept costs ~0.4 µs a call
+    raw = [ring.count, name, {tensor}.nbytes, {tensor}.dtype, code, lasti, clock(), None,
+           "done", None]
+    ring.entries.append(raw)
+    try:
+        result = original({arguments})
+    except BaseException:
+        raw[7], raw[8] = clock(), "failed"
+        raise
+    raw[7] = clock()
+    if result is not None:
+        raw[8] = "issued"
+    return result
+"""
+
+
 def _wrap(name: str, original, tensor_at: int | None, group_at: int | None):
-    clock = time.monotonic_ns
-    frame_of = sys._getframe
-
-    def recorded(*args, **kwargs):
-        group = kwargs.get("group")
-        if group is None and group_at is not None and len(args) > group_at:
-            group = args[group_at]
-        ring = _rings.get(None) if group is None else None
-        ring = ring or _ring(group)
-        tensor = args[tensor_at] if tensor_at is not None and len(args) > tensor_at else None
-        frame = frame_of(1)
-        code = frame.f_code
-        if _kinds.get(code) == 0:  # called from the user's code: the common case
-            lasti = frame.f_lasti
+    """``original`` recorded, with its own signature (``*args, **kwargs`` where it has none
+    that ``inspect`` reads)."""
+    try:
+        parameters = list(inspect.signature(original).parameters.values())
+    except (TypeError, ValueError):
+        parameters = [inspect.Parameter("args", inspect.Parameter.VAR_POSITIONAL),
+                      inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD)]
+    namespace = {"rings_get": _rings.get, "ring_of": _ring, "frame_of": sys._getframe,
+                 "kinds_get": call_site.kinds.get, "caller": call_site.caller,
+                 "clock": time.monotonic_ns, "name": name, "original": original,
+                 "none": _NoTensor}
+    declared, passed = [], []
+    for index, parameter in enumerate(parameters):
+        text = parameter.name
+        if parameter.default is not inspect.Parameter.empty:
+            namespace[f"default_{index}"] = parameter.default
+            text += f"=default_{index}"
+        kind = parameter.kind
+        if kind == inspect.Parameter.VAR_POSITIONAL:
+            declared.append(f"*{text}")
+            passed.append(f"*{text}")
+        elif kind == inspect.Parameter.VAR_KEYWORD:
+            declared.append(f"**{text}")
+            passed.append(f"**{text}")
         else:
-            code, lasti = caller(frame)
-        ring.count += 1
-        raw = [ring.count, name, None if tensor is None else tensor.shape,
-               None if tensor is None else tensor.dtype, code, lasti, clock(), None, "running"]
-        ring.entries.append(raw)
-        try:
-            result = original(*args, **kwargs)
-        except BaseException:
-            raw[7], raw[8] = clock(), "failed"
-            raise
-        raw[7], raw[8] = clock(), "done" if result is None else "issued"
-        return result
-
+            if kind == inspect.Parameter.KEYWORD_ONLY and "*" not in "".join(declared):
+                declared.append("*")
+            declared.append(text)
+            passed.append(parameter.name if kind != inspect.Parameter.KEYWORD_ONLY
+                          else f"{parameter.name}={parameter.name}")
+        if kind == inspect.Parameter.POSITIONAL_ONLY and index + 1 < len(parameters) and \
+                parameters[index + 1].kind != inspect.Parameter.POSITIONAL_ONLY:
+            declared.append("/")
+    named = [p.name for p in parameters if p.kind in (inspect.Parameter.POSITIONAL_ONLY,
+                                                      inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    tensor = named[tensor_at] if tensor_at is not None and tensor_at < len(named) else "none"
+    group = named[group_at] if group_at is not None and group_at < len(named) else "None"
+    exec(_BODY.format(parameters=", ".join(declared), arguments=", ".join(passed),
+                      tensor=tensor, group=group), namespace)
+    recorded = namespace["recorded"]
     recorded.__name__ = recorded.__qualname__ = name
     recorded.__doc__ = original.__doc__
     recorded.__wrapped__ = original
     return recorded
+
+
+class _NoTensor:
+    """What a call without a tensor argument records: no size, no dtype."""
+
+    nbytes = dtype = None
+
+
+def begin(group, name: str, tensor, note: str) -> list:
+    """Record a call that a caller other than the wrapped functions makes (DDP's gradient
+    buckets, ``launcher.faults.ddp_buckets``), from the first frame outside torch and launcher
+    of this thread, else of the main thread (CUDA runs backward in a thread of torch's own);
+    ``finish`` ends it. What ``_wrap``'s wrapper does inline."""
+    code, lasti = call_site.caller(sys._getframe(1))
+    if code is None:
+        main = sys._current_frames().get(threading.main_thread().ident)
+        code, lasti = call_site.caller(main)
+    ring = _ring(group)
+    ring.count += 1
+    raw = [ring.count, name, tensor.nbytes, tensor.dtype, code, lasti, time.monotonic_ns(),
+           None, "done", note]
+    ring.entries.append(raw)
+    return raw
+
+
+def finish(raw: list, failed: bool) -> None:
+    raw[END] = time.monotonic_ns()
+    if failed:
+        raw[STATE] = "failed"
+
+
+def original(name: str):
+    """torch.distributed's own ``name``, unrecorded (for a caller that records itself)."""
+    return _originals.get(name) or getattr(dist, name)
 
 
 def install() -> None:
@@ -265,8 +299,8 @@ def current() -> Entry | None:
         if not ring.entries:
             continue
         raw = ring.entries[-1]
-        if raw[7] is None:
+        if raw[END] is None:
             return Entry.of(raw, ring.name)
-        if newest is None or raw[6] > newest[0][6]:
+        if newest is None or raw[START] > newest[0][START]:
             newest = (raw, ring.name)
     return None if newest is None else Entry.of(*newest)

@@ -69,8 +69,14 @@ def _who(group: list[Where]) -> str:
     return f"{text} ({group[0].node})" if len(group) == 1 else text
 
 
+def _label(call: dict) -> str:
+    """``all_reduce #4``, or ``all_reduce #4 (DDP bucket 0)`` for a call with a note."""
+    note = call.get("note")
+    return f"{call['op']} #{call['seq']}" + (f" ({note})" if note else "")
+
+
 def _call(call: dict) -> str:
-    return f"{call['op']} #{call['seq']} at {call['where']}"
+    return f"{_label(call)} at {call['where']}"
 
 
 def _groups(items: list[Where], key) -> list[list[Where]]:
@@ -107,7 +113,7 @@ def _other_text(w: Where, waiting: list[Where]) -> str:
     if w.kind == ENDED:
         return f"{_who([w])} ended at {w.at}{last}"
     if w.kind == ELSEWHERE:
-        into = f" {waiting[0].call['op']} #{waiting[0].call['seq']}" if waiting else ""
+        into = f" {_label(waiting[0].call)}" if waiting else ""
         stack = f" (stack: {w.stack})" if w.stack else ""
         return f"{_who([w])} never entered{into}: it is at {w.at} in {w.function}{stack}"
     if w.kind == BUSY:

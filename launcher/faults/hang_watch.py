@@ -136,7 +136,7 @@ class HangWatch:
         history = [[e["group"], e["seq"], e["op"], e["where"]]
                    for e in flight_recorder.snapshot()[-HISTORY:]]
         call = {} if entry is None else {k: getattr(entry, k) for k in ("op", "seq", "where",
-                                                                        "state")}
+                                                                        "state", "note")}
         return Where(self.rank, self._channel.node(self.rank), kind, call, history, at, function)
 
     def _on_where(self, message) -> None:
@@ -291,13 +291,21 @@ def _write_files(directory: Path, where: Where, threads: str, mine: bool = True)
         directory.mkdir(parents=True, exist_ok=True)
         data = {"where": where.to_dict(), "calls": calls}
         write_atomic(directory / f"rank-{where.rank}.json", json.dumps(data, indent=1).encode())
-        table = "\n".join(f"  {c['group']} #{c['seq']} {c['op']} {c['shape']} {c['dtype']} "
+        table = "\n".join(f"  {c['group']} #{c['seq']} {c['op']}{_note(c)}{_size(c)} "
                           f"at {c['where']}: {c['state']}" for c in calls)
         text = (f"rank {where.rank} ({where.node}): {where.kind}, at {where.at} in "
                 f"{where.function}\n\nlast calls:\n{table or '  (none)'}\n\nstacks:\n{threads}")
         write_atomic(directory / f"rank-{where.rank}.txt", text.encode())
     except OSError as exc:  # the line still goes out: it names what could not be written
         _print(where.rank, f"warning: cannot write {directory}: {exc}")
+
+
+def _note(call: dict) -> str:
+    return f" ({call['note']})" if call.get("note") else ""
+
+
+def _size(call: dict) -> str:
+    return "" if call["nbytes"] is None else f" {call['nbytes']} B {call['dtype']}"
 
 
 _current: HangWatch | None = None

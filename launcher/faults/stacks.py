@@ -12,7 +12,7 @@ import sys
 import threading
 import traceback
 
-from launcher.faults import flight_recorder
+from launcher.faults import call_site
 
 
 def all_threads() -> str:
@@ -36,8 +36,8 @@ def main_thread_at() -> tuple[str, str]:
 
 def at(frame) -> tuple[str, str]:
     """``file:line`` and function of the innermost user frame from ``frame`` outward."""
-    code, lasti = flight_recorder.caller(frame)
+    code, lasti = call_site.caller(frame)
     if code is None:
         return "?", "?"
-    where = f"{flight_recorder.short(code.co_filename)}:{flight_recorder.line_of(code, lasti)}"
+    where = call_site.where(code, lasti)
     return where, code.co_name

@@ -12,8 +12,9 @@ import time
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
+
+from launcher.faults import ddp_buckets
 
 
 def wrap_for_sync(module: nn.Module, sync: str, device: torch.device, comm_seconds: list[float],
@@ -53,7 +54,8 @@ def reads_buffers_in_training(module: nn.Module) -> bool:
 
 
 def timed_allreduce(seconds: list[float], bucket):
-    """DDP's own all-reduce hook, timed from launch until the result is ready."""
+    """DDP's own all-reduce, recorded (``launcher.faults.ddp_buckets``), timed from launch
+    until the result is ready."""
     # takes a dist.GradBucket, returns a Future[Tensor]; unannotated because DDP checks the
     # annotation objects themselves, and postponed annotations would turn them into strings
     start = time.perf_counter()
@@ -62,7 +64,7 @@ def timed_allreduce(seconds: list[float], bucket):
         seconds[0] += time.perf_counter() - start
         return future.value()
 
-    return default_hooks.allreduce_hook(None, bucket).then(done)
+    return ddp_buckets.allreduce(None, bucket).then(done)
 
 
 def allreduce_gradients(module: nn.Module) -> None:
