@@ -48,9 +48,11 @@ def _named(stderr: str) -> set[int]:
 
 #: issue #35, still open: a survivor stops waiting at the first silent rank its watchers report,
 #: before every watcher's report has arrived (a killed node's four ranks are named in part), and
-#: ranks that ended are not yet told from silent ones; the cases that fail for it say so
+#: ranks that ended are not yet told from silent ones; the cases that fail for it say so and
+#: are not run (each waited out its timeouts, minutes of CI, to report a gap known in advance):
+#: `pytest --runxfail` runs them
 GAP_KILLED = pytest.mark.xfail(reason="issue #35: survivors name the silent ranks reported so "
-                               "far, not yet all of them (see the comment above)", strict=False)
+                               "far, not yet all of them (see the comment above)", run=False)
 
 
 @pytest.mark.parametrize("case", [
@@ -92,7 +94,7 @@ def test_gloo_survivors_name_exactly_the_silent_ranks(tmp_path, case, monkeypatc
 
 
 @pytest.mark.xfail(reason="issue #35: rank 0 names the stopped rank, but mpiexec ends with 9, "
-                   "not the survivors' 3, with a SIGSTOPped rank among 16", strict=False)
+                   "not the survivors' 3, with a SIGSTOPped rank among 16", run=False)
 def test_mpi_survivor_names_the_stopped_rank_of_16(tmp_path, monkeypatch):
     monkeypatch.setattr("tests.test_stuck_rank.TIMEOUT_S", TIMEOUT_S)
     tag, victim = f"{os.getpid()}-16", 5
