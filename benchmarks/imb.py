@@ -31,6 +31,9 @@ from benchmarks.units import human
 #: 4 KiB to 64 MiB, the sizes of benchmarks/allreduce.py
 MSGLOG = "12:26"
 ITERATIONS = "100"
+#: IMB's seconds per size (default 10): on a loaded machine the 64 MiB row's 100 calls took
+#: longer, and IMB left the row out
+TIME_LIMIT = "600"
 TIMEOUT = 600
 
 
@@ -45,7 +48,7 @@ def imb_argv(prefix: str, ranks: int, hosts: list[str] | None = None,
             "-genv", "LD_LIBRARY_PATH", f"{prefix}/lib", "-genv", "I_MPI_FABRICS", fabric,
             "-genv", "FI_PROVIDER", "tcp",
             f"{prefix}/bin/IMB-MPI1", "Allreduce", "-msglog", MSGLOG, "-iter_policy", "off",
-            "-iter", ITERATIONS]
+            "-iter", ITERATIONS, "-time", TIME_LIMIT]
 
 
 def parse(output: str) -> dict[int, float]:
