@@ -128,7 +128,7 @@ def _start(env: JobEnv, chosen: BackendPlan, device: torch.device,
         if name == MPI4PY:
             from launcher.mpi import cxx as mpi_cxx
 
-            choice = mpi_cxx.choose(env.mpi_impl)
+            choice = mpi_cxx.choose(env.mpi_impl, env.mpi_cxx_dir)
             name, implementation = choice.name, choice.reason
         guard.stage("the rendezvous")
         if chosen.store:
