@@ -33,8 +33,8 @@ from dataclasses import asdict, dataclass
 import torch.distributed as dist
 
 from launcher.core.errors import EXIT_RANK_FAILED, EXIT_USER_ERROR, LaunchError
-from launcher.faults import heartbeat, side_channel
-from launcher.faults.side_channel import SideChannel, close_channel
+from launcher.faults.heartbeat import Heartbeat
+from launcher.faults.side_channel import SideChannel
 from launcher.faults.side_store import StoreSideChannel
 from launcher.placement.env import JobEnv
 
@@ -89,11 +89,17 @@ class PeerFailed(Exception):
 
 
 class Watchdog:
-    """Ends this rank when another one fails; tells the others when this one does."""
+    """Ends this rank when another one fails; tells the others when this one does. Owns the
+    side channel it watches and the heartbeat beating on it (None, None: not distributed)."""
 
-    def __init__(self, env: JobEnv, channel: SideChannel | None):
+    def __init__(self, env: JobEnv, channel: SideChannel | None,
+                 beat: Heartbeat | None = None):
         self._env = env
         self._channel = channel
+        #: the side channel (``launcher.faults.side_channel``), for the hang watch
+        self.channel = channel
+        #: this rank's heartbeat (``launcher.faults.heartbeat``), for who names silent ranks
+        self.heartbeat = beat
         self._failing = threading.Event()
         #: the notice of another rank's failure, once one came (the line is printed already)
         self.notice: Notice | None = None
@@ -163,8 +169,9 @@ class Watchdog:
         """Stop watching (after a run every rank finished)."""
         if self._channel is None:
             return
-        heartbeat.stop()
-        close_channel()
+        if self.heartbeat is not None:
+            self.heartbeat.close()
+        self._channel.close()
         self._notices.put(None)
         self._thread.join(timeout=5)
 
@@ -189,10 +196,9 @@ def start(env: JobEnv, store: dist.Store | None) -> Watchdog:
     """The watchdog for this rank: over ``store`` when there is one, else over MPI."""
     if not env.is_distributed:
         return Watchdog(env, None)
-    channel = side_channel.opened(_open_channel(env, store))
+    channel = _open_channel(env, store)
     # silence is the failure a failing rank cannot announce: the beats name it
-    heartbeat.start(env, channel)
-    return Watchdog(env, channel)
+    return Watchdog(env, channel, Heartbeat(env, channel))
 
 
 def _open_channel(env: JobEnv, store: dist.Store | None) -> SideChannel:
