@@ -139,6 +139,8 @@ class Choice:
     reason: str
 
 
+# the compiled module once loaded: an extension is loaded once per process, and torch calls
+# the backend registered from it (``register``) with its options alone; read only here
 _module: ModuleType | None = None
 
 

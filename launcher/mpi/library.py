@@ -145,9 +145,6 @@ def load(env: JobEnv) -> MpiChoice:
     return _loaded
 
 
-#: this node's decision on CMA, once made (``launcher.check`` shows it on local rank 0)
-single_copy: cma.Decision | None = None
-
 
 def _decide_single_copy(env: JobEnv, choice: MpiChoice) -> None:
     """Turn the bundled MPI's CMA on or off as this node's ranks found it works
