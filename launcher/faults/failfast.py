@@ -95,7 +95,6 @@ class Watchdog:
     def __init__(self, env: JobEnv, channel: SideChannel | None,
                  beat: Heartbeat | None = None):
         self._env = env
-        self._channel = channel
         #: the side channel (``launcher.faults.side_channel``), for the hang watch
         self.channel = channel
         #: this rank's heartbeat (``launcher.faults.heartbeat``), for who names silent ranks
@@ -118,10 +117,10 @@ class Watchdog:
         self._acks += 1
 
     def _acknowledge(self, notice: Notice) -> None:
-        host = self._channel.host_rank
+        host = self.channel.host_rank
         for rank in dict.fromkeys([notice.rank, host]):
             if rank is not None and rank != self._env.rank:
-                self._channel.send(rank, ACK_KIND)
+                self.channel.send(rank, ACK_KIND)
 
     def _watch(self) -> None:
         while (notice := self._notices.get()) is not None:
@@ -140,7 +139,7 @@ class Watchdog:
                 except PeerFailed as exc:
                     _tell_torchrun(exc)
             self._acknowledge(notice)  # after the line: the failing rank ends next
-            if self._channel.host_rank == self._env.rank:
+            if self.channel.host_rank == self._env.rank:
                 # the transport lives in this process: let the others read the notice
                 _wait_until(lambda: self._acks >= self._env.world_size - 2)
             time.sleep(FOLLOW_S)
@@ -157,9 +156,9 @@ class Watchdog:
         if self._env.launcher == "torchrun":
             _tell_torchrun(exc)
         notice = Notice.of(self._env, exc)
-        if self._channel is not None:
+        if self.channel is not None:
             try:
-                self._channel.broadcast(NOTICE_KIND, notice.encode())
+                self.channel.broadcast(NOTICE_KIND, notice.encode())
                 _wait_until(lambda: self._acks >= self._env.world_size - 1)
             except Exception:  # noqa: BLE001 - the channel is gone: the launcher must end the rest
                 pass
@@ -167,11 +166,11 @@ class Watchdog:
 
     def close(self) -> None:
         """Stop watching (after a run every rank finished)."""
-        if self._channel is None:
+        if self.channel is None:
             return
         if self.heartbeat is not None:
             self.heartbeat.close()
-        self._channel.close()
+        self.channel.close()
         self._notices.put(None)
         self._thread.join(timeout=5)
 
