@@ -82,6 +82,19 @@ def test_no_compiler_is_one_error_line(tmp_path):
     assert not list(tmp_path.iterdir())
 
 
+@needs_build
+def test_the_file_alone_builds_as_the_images_build_stage_does(tmp_path):
+    """docker/Dockerfile copies cxx.py and cxx.cpp alone and runs the file: no project to read
+    variables with, so the defaults, whatever is set."""
+    for name in ("cxx.py", "cxx.cpp"):
+        (tmp_path / name).write_bytes((REPO_ROOT / "launcher" / "mpi" / name).read_bytes())
+    environ = clean_environ({"DDP_MPI_CXX_DIR": str(tmp_path / "elsewhere")})
+    result = subprocess.run([sys.executable, str(tmp_path / "cxx.py")], capture_output=True,
+                            text=True, timeout=60, env=environ, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"mpi_cxx: up to date: {mpi_cxx.built_path()}"
+
+
 def test_the_build_key_changes_with_the_source_and_torch(monkeypatch):
     name = mpi_cxx.module_name()
     monkeypatch.setattr(torch, "__version__", "0.0.0")

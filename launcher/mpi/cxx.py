@@ -227,12 +227,12 @@ def register(module: ModuleType) -> None:
 
 def _build_tools() -> tuple[str | None, str]:
     """DDP_MPI_CXX_DIR and CXX (directory, compiler), as ``launcher.placement.env`` reads them."""
-    try:
-        from launcher.placement.env import build_tools
-    except ModuleNotFoundError:
-        # the image's build stage runs this file alone, before the project is copied, and
-        # sets neither variable: the defaults
+    if not __package__:
+        # run as a file of its own: the image's build stage, before the project is copied,
+        # which sets neither variable: the defaults
         return None, "c++"
+    from launcher.placement.env import build_tools
+
     tools = build_tools()
     return tools.mpi_cxx_dir, tools.compiler
 
