@@ -24,7 +24,7 @@ from mpi4py import MPI
 from launcher.core.errors import LaunchError, report_and_exit
 from launcher.mpi import buffers as mpi_buffers
 from launcher.mpi import cxx as mpi_cxx
-from launcher.mpi import operations as mpi_operations
+from launcher.mpi import reductions as mpi_reductions
 
 WORLD = MPI.COMM_WORLD
 #: the implementation under test (the test sets DDP_MPI_IMPL): its registered backend name
@@ -421,7 +421,7 @@ def set_slice_bytes(n: int) -> None:
     if MPI_NAME == mpi_cxx.BACKEND_NAME:
         mpi_cxx.loaded().set_slice_bytes(n)
     else:
-        mpi_operations.ALLREDUCE_SLICE_BYTES = n
+        mpi_reductions.ALLREDUCE_SLICE_BYTES = n
 
 
 def scenario_sliced() -> None:

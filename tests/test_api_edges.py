@@ -122,6 +122,28 @@ def test_a_save_that_resume_could_not_load_is_refused_on_every_rank(tmp_path):
     assert not directory.exists() or not list(directory.iterdir())
 
 
+COUNTED = """
+import sys
+from launcher.placement import env as placement_env
+read = placement_env.detect_environment
+calls = []
+placement_env.detect_environment = lambda *a, **k: calls.append(1) or read(*a, **k)
+"""
+
+
+@pytest.mark.parametrize("entry", [
+    "import launcher\nwith launcher.exit_statuses() as env:\n"
+    "    with launcher.distributed('gloo', env=env) as job:\n        pass\n",
+    "from launcher.diagnostics import check\ntry:\n    check.main(['--backend', 'gloo'])\n"
+    "finally:\n    print('reads', len(calls))\n",
+])
+def test_the_environment_is_read_once_per_process(tmp_path, entry):
+    text = COUNTED + entry + "print('reads', len(calls))\n"
+    result = python(script(tmp_path, "counted", text))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "reads 1" in result.stdout.splitlines(), result.stdout
+
+
 @pytest.mark.parametrize("value", ["0", "-5", "'10'", "True", "float('nan')", "None"])
 def test_timeout_s_must_be_a_positive_number(tmp_path, value):
     result = python(script(tmp_path, "timeout", TIMEOUT), value)

@@ -12,7 +12,9 @@ import pytest
 
 from launcher.core.errors import LaunchError
 from launcher.placement.env import (
+    BuildTools,
     JobEnv,
+    build_tools,
     detect_environment,
     local_device_index,
     visible_device_count,
@@ -186,6 +188,17 @@ def test_pass_through_fields():
                   "DDP_PREEMPT_SIGNAL": "SIGUSR2"})
     assert (env.visible_devices, env.image, env.preempt_signal, env.hostname) == (
         "2,3", "ddp:1.0@sha256:ab", "USR2", "testhost")
+
+
+def test_the_compiled_backends_directory_comes_in_jobenv():
+    assert detect({"DDP_MPI_CXX_DIR": "/opt/ext"}).mpi_cxx_dir == "/opt/ext"
+    assert detect({"DDP_MPI_CXX_DIR": ""}).mpi_cxx_dir is None
+    assert detect({}).mpi_cxx_dir is None
+
+
+def test_build_tools_read_directory_and_compiler():
+    assert build_tools({}) == BuildTools(mpi_cxx_dir=None, compiler="c++")
+    assert build_tools({"DDP_MPI_CXX_DIR": "/x", "CXX": "clang++"}) == BuildTools("/x", "clang++")
 
 
 @pytest.mark.parametrize("value, name", [("USR1", "USR1"), ("sigterm", "TERM"), ("usr2", "USR2"),

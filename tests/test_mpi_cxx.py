@@ -18,6 +18,7 @@ from mpi4py import MPI
 
 from launcher.core.errors import LaunchError
 from launcher.mpi import cxx as mpi_cxx
+from launcher.placement.env import detect_environment
 from tests.fixtures.mpi import REPO_ROOT, clean_environ, run_mpi
 
 HASH = re.compile(r"param-sha256 rank=(\d+) ([0-9a-f]{64})")
@@ -28,13 +29,14 @@ needs_build = pytest.mark.skipif(not mpi_cxx.built_path().exists(),
 
 @pytest.fixture
 def empty_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv(mpi_cxx.DIR_VARIABLE, str(tmp_path))
     monkeypatch.setattr(mpi_cxx, "_module", None)
     return tmp_path
 
 
-def test_not_built_falls_back_to_python_in_one_line(empty_dir):
-    choice = mpi_cxx.choose("auto")
+def test_not_built_falls_back_to_python_in_one_line(empty_dir, monkeypatch):
+    # the directory as a rank gets it: DDP_MPI_CXX_DIR read into JobEnv
+    monkeypatch.setenv("DDP_MPI_CXX_DIR", str(empty_dir))
+    choice = mpi_cxx.choose("auto", detect_environment().mpi_cxx_dir)
     assert choice.name == "mpi4py"
     assert choice.reason == (f"the Python mpi backend: the compiled mpi backend is not built in "
                              f"{empty_dir} (./scripts/bootstrap.sh or python -m launcher.mpi.cxx "
@@ -44,14 +46,14 @@ def test_not_built_falls_back_to_python_in_one_line(empty_dir):
 
 def test_built_for_another_torch_falls_back_naming_both_versions(empty_dir):
     (empty_dir / "ddp_mpi_cxx_0123456789abcdef.json").write_text(json.dumps({"torch": "2.9.0"}))
-    choice = mpi_cxx.choose("auto")
+    choice = mpi_cxx.choose("auto", str(empty_dir))
     assert choice.name == "mpi4py"
     assert f"built for torch 2.9.0, this is {torch.__version__}" in choice.reason
 
 
 def test_asking_for_the_compiled_backend_where_it_cannot_run_is_an_error(empty_dir):
     with pytest.raises(LaunchError, match="not built") as caught:
-        mpi_cxx.choose("cxx")
+        mpi_cxx.choose("cxx", str(empty_dir))
     assert "DDP_MPI_IMPL" in caught.value.hint
 
 
@@ -62,6 +64,35 @@ def test_unknown_implementation_is_an_error():
 
 def test_python_is_taken_when_asked_for():
     assert mpi_cxx.choose("python").name == "mpi4py"
+
+
+def test_the_build_reads_directory_and_compiler_where_jobenv_does(monkeypatch, tmp_path):
+    monkeypatch.setenv("DDP_MPI_CXX_DIR", str(tmp_path))
+    monkeypatch.setenv("CXX", "clang++")
+    assert mpi_cxx._build_tools() == (str(tmp_path), "clang++")
+
+
+def test_no_compiler_is_one_error_line(tmp_path):
+    environ = clean_environ({"CXX": "no-such-compiler", "DDP_MPI_CXX_DIR": str(tmp_path)})
+    result = subprocess.run([sys.executable, "-m", "launcher.mpi.cxx"], capture_output=True,
+                            text=True, timeout=60, env=environ, cwd=REPO_ROOT)
+    assert result.returncode != 0
+    assert result.stderr.splitlines() == ["launcher.mpi.cxx: error: no C++ compiler "
+                                          "(no-such-compiler)", "HINT: apt-get install g++"]
+    assert not list(tmp_path.iterdir())
+
+
+@needs_build
+def test_the_file_alone_builds_as_the_images_build_stage_does(tmp_path):
+    """docker/Dockerfile copies cxx.py and cxx.cpp alone and runs the file: no project to read
+    variables with, so the defaults, whatever is set."""
+    for name in ("cxx.py", "cxx.cpp"):
+        (tmp_path / name).write_bytes((REPO_ROOT / "launcher" / "mpi" / name).read_bytes())
+    environ = clean_environ({"DDP_MPI_CXX_DIR": str(tmp_path / "elsewhere")})
+    result = subprocess.run([sys.executable, str(tmp_path / "cxx.py")], capture_output=True,
+                            text=True, timeout=60, env=environ, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"mpi_cxx: up to date: {mpi_cxx.built_path()}"
 
 
 def test_the_build_key_changes_with_the_source_and_torch(monkeypatch):
@@ -95,7 +126,7 @@ def test_launcher_check_says_which_implementation_runs():
     assert result.returncode == 0, result.output
     assert f"mpi: rank 0 runs the compiled mpi backend ({mpi_cxx.built_path()})" in result.stdout
     fallback = run_mpi(2, ["-m", "launcher.check", "--backend", "mpi"], timeout=120,
-                       env={mpi_cxx.DIR_VARIABLE: str(REPO_ROOT / "nonexistent")})
+                       env={"DDP_MPI_CXX_DIR": str(REPO_ROOT / "nonexistent")})
     assert fallback.returncode == 0, fallback.output
     assert "mpi: rank 0 runs the Python mpi backend: the compiled mpi backend is not built" \
         in fallback.stdout

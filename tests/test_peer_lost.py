@@ -108,7 +108,8 @@ def test_overdue_waits_on_peers_that_beat_and_names_silent_ones(monkeypatch):
     monkeypatch.setattr(heartbeat, "BEAT_S", 0.05)
     env = dataclasses.replace(detect_environment({}, hostname="box"), rank=1, world_size=3)
     beats = _Beats({0, 1, 2})
-    monkeypatch.setattr(heartbeat, "_current", heartbeat.Heartbeat(env, beats))
+    beat = heartbeat.Heartbeat(env, beats)
+    heartbeat.watch_waits(beat)
     try:
         heartbeat.overdue("all_reduce", 2.0, 1.0, rank=1)  # everyone beats: go on waiting
         with pytest.raises(PeerLost, match="although every rank still beats"):
@@ -118,8 +119,11 @@ def test_overdue_waits_on_peers_that_beat_and_names_silent_ones(monkeypatch):
         with pytest.raises(PeerLost, match=r"no heartbeat .* from rank 2 \(n2\)"):
             heartbeat.overdue("all_reduce", 2.0, 1.0, rank=1)
     finally:
-        heartbeat.stop()
-    assert heartbeat.current() is None
+        heartbeat.watch_waits(None)
+        beat.close()
+    assert not heartbeat.watching()
+    with pytest.raises(PeerLost, match="did not complete"):  # no heartbeat: no waiting on
+        heartbeat.overdue("all_reduce", 2.0, 1.0, rank=1)
 
 
 def _start_ranks(tmp_path) -> list[subprocess.Popen]:

@@ -50,7 +50,7 @@ from launcher.faults.agreement import agree
 from launcher.faults.exits import exit_statuses
 from launcher.faults.preemption import Preempted, PreemptionWatch
 from launcher.group.process_group import process_group
-from launcher.placement.env import JobEnv, detect_environment
+from launcher.placement.env import JobEnv
 
 
 @dataclass(frozen=True)
@@ -235,15 +235,16 @@ def _warn(text: str) -> None:
 
 @contextmanager
 def distributed(backend: str = "auto", timeout_s: float = TIMEOUT_S,
-                status_dir: str | Path | None = None) -> Iterator[Job]:
+                status_dir: str | Path | None = None, env: JobEnv | None = None
+                ) -> Iterator[Job]:
     """Run the body as one rank of a distributed job (see the module docstring). With
     ``status_dir`` (the run directory), an ending other than success is also written to
     ``status_dir/exit-status`` for the batch script (``launcher.faults.exit_status``), and each rank
     keeps a record there while it runs (``launcher.faults.rank_record``); a hang's post-mortem
-    goes to ``status_dir/hang``."""
-    with exit_statuses():
+    goes to ``status_dir/hang``. ``env``: this process's ``JobEnv`` when the caller read it
+    already (``launcher.exit_statuses`` yields it), else it is read here."""
+    with exit_statuses(env) as env:
         timeout_s = _checked_timeout(timeout_s)
-        env = detect_environment()
         with _witnessed(status_dir, env), PreemptionWatch(env.preempt_signal, env.rank) as watch, \
                 process_group(env, backend, timeout_s,
                               None if status_dir is None else Path(status_dir)) as ctx:

@@ -43,7 +43,7 @@ from launcher.group.backends import BACKEND_CHOICES
 from launcher.group.process_group import DistContext, process_group
 from launcher.mpi import library as mpi_library
 from launcher.placement import settings
-from launcher.placement.env import JobEnv, detect_environment
+from launcher.placement.env import JobEnv
 
 EXIT_CHECK_FAILED = 1
 
@@ -176,8 +176,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    with exit_statuses():
-        env = detect_environment()
+    with exit_statuses() as env:
         backends = [b.strip() for b in args.backend.split(",") if b.strip()]
         unknown = [b for b in backends if b not in BACKEND_CHOICES]
         if unknown or not backends:

@@ -65,7 +65,7 @@ def _max(flag: torch.Tensor) -> None:
     timeout the wait goes on while every peer still beats (``launcher.faults.heartbeat``). gloo
     times a collective out by itself, so it gets BUSY_LIMIT times the timeout here; the mpi backend
     asks the heartbeats in every wait; NCCL keeps its own timeout."""
-    if dist.get_backend() != "gloo" or heartbeat.current() is None:
+    if dist.get_backend() != "gloo" or not heartbeat.watching():
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return
     group = distributed_c10d._get_default_group()

@@ -11,31 +11,30 @@ from contextlib import contextmanager
 from launcher.core.errors import EXIT_INTERRUPTED, LaunchError, RankFailed, report_and_exit
 from launcher.faults.failfast import end_process
 from launcher.faults.preemption import Preempted
-from launcher.placement.env import detect_environment
+from launcher.placement.env import JobEnv, detect_environment
 
 
 @contextmanager
-def exit_statuses() -> Iterator[None]:
+def exit_statuses(env: JobEnv | None = None) -> Iterator[JobEnv]:
     """End the process with the documented exit status when the body raises what this
     package raises: 2 a user error, 3 a lost peer, 70 a rank that raised, 75 preempted, 130
-    interrupted."""
+    interrupted. Yields this process's ``JobEnv``: ``env`` when the caller has it, else read
+    here, as the entry points' first step, and handed on from there (``distributed(env=...)``)."""
+    rank = None if env is None else env.rank
     try:
-        yield
+        if env is None:
+            # the one step that reads the environment, so its own errors end here too
+            env = detect_environment()
+            rank = env.rank
+        yield env
     except LaunchError as error:
-        report_and_exit(error, _rank_if_known())
+        report_and_exit(error, rank)
     except Preempted as preempted:
         # every rank says so: under mpiexec/srun only one exit status reaches the job log
         what = "interrupted" if preempted.status == EXIT_INTERRUPTED else "preempted"
         saved = f", {preempted.checkpoint} saved" if preempted.checkpoint else ""
-        print(f"[rank {_rank_if_known()}] {what}{saved}: exit {preempted.status}",
+        print(f"[rank {rank}] {what}{saved}: exit {preempted.status}",
               file=sys.stderr, flush=True)
         sys.exit(preempted.status)
     except RankFailed as failed:  # reported here and to every other rank already
         end_process(failed.status)
-
-
-def _rank_if_known() -> int | None:
-    try:
-        return detect_environment().rank
-    except LaunchError:
-        return None

@@ -33,8 +33,8 @@ from dataclasses import asdict, dataclass
 import torch.distributed as dist
 
 from launcher.core.errors import EXIT_RANK_FAILED, EXIT_USER_ERROR, LaunchError
-from launcher.faults import heartbeat, side_channel
-from launcher.faults.side_channel import SideChannel, close_channel
+from launcher.faults.heartbeat import Heartbeat
+from launcher.faults.side_channel import SideChannel
 from launcher.faults.side_store import StoreSideChannel
 from launcher.placement.env import JobEnv
 
@@ -89,11 +89,16 @@ class PeerFailed(Exception):
 
 
 class Watchdog:
-    """Ends this rank when another one fails; tells the others when this one does."""
+    """Ends this rank when another one fails; tells the others when this one does. Owns the
+    side channel it watches and the heartbeat beating on it (None, None: not distributed)."""
 
-    def __init__(self, env: JobEnv, channel: SideChannel | None):
+    def __init__(self, env: JobEnv, channel: SideChannel | None,
+                 beat: Heartbeat | None = None):
         self._env = env
-        self._channel = channel
+        #: the side channel (``launcher.faults.side_channel``), for the hang watch
+        self.channel = channel
+        #: this rank's heartbeat (``launcher.faults.heartbeat``), for who names silent ranks
+        self.heartbeat = beat
         self._failing = threading.Event()
         #: the notice of another rank's failure, once one came (the line is printed already)
         self.notice: Notice | None = None
@@ -112,10 +117,10 @@ class Watchdog:
         self._acks += 1
 
     def _acknowledge(self, notice: Notice) -> None:
-        host = self._channel.host_rank
+        host = self.channel.host_rank
         for rank in dict.fromkeys([notice.rank, host]):
             if rank is not None and rank != self._env.rank:
-                self._channel.send(rank, ACK_KIND)
+                self.channel.send(rank, ACK_KIND)
 
     def _watch(self) -> None:
         while (notice := self._notices.get()) is not None:
@@ -134,7 +139,7 @@ class Watchdog:
                 except PeerFailed as exc:
                     _tell_torchrun(exc)
             self._acknowledge(notice)  # after the line: the failing rank ends next
-            if self._channel.host_rank == self._env.rank:
+            if self.channel.host_rank == self._env.rank:
                 # the transport lives in this process: let the others read the notice
                 _wait_until(lambda: self._acks >= self._env.world_size - 2)
             time.sleep(FOLLOW_S)
@@ -151,9 +156,9 @@ class Watchdog:
         if self._env.launcher == "torchrun":
             _tell_torchrun(exc)
         notice = Notice.of(self._env, exc)
-        if self._channel is not None:
+        if self.channel is not None:
             try:
-                self._channel.broadcast(NOTICE_KIND, notice.encode())
+                self.channel.broadcast(NOTICE_KIND, notice.encode())
                 _wait_until(lambda: self._acks >= self._env.world_size - 1)
             except Exception:  # noqa: BLE001 - the channel is gone: the launcher must end the rest
                 pass
@@ -161,10 +166,11 @@ class Watchdog:
 
     def close(self) -> None:
         """Stop watching (after a run every rank finished)."""
-        if self._channel is None:
+        if self.channel is None:
             return
-        heartbeat.stop()
-        close_channel()
+        if self.heartbeat is not None:
+            self.heartbeat.close()
+        self.channel.close()
         self._notices.put(None)
         self._thread.join(timeout=5)
 
@@ -189,10 +195,9 @@ def start(env: JobEnv, store: dist.Store | None) -> Watchdog:
     """The watchdog for this rank: over ``store`` when there is one, else over MPI."""
     if not env.is_distributed:
         return Watchdog(env, None)
-    channel = side_channel.opened(_open_channel(env, store))
+    channel = _open_channel(env, store)
     # silence is the failure a failing rank cannot announce: the beats name it
-    heartbeat.start(env, channel)
-    return Watchdog(env, channel)
+    return Watchdog(env, channel, Heartbeat(env, channel))
 
 
 def _open_channel(env: JobEnv, store: dist.Store | None) -> SideChannel:

@@ -34,7 +34,7 @@ from pathlib import Path
 
 from launcher.core.atomic import write_atomic
 from launcher.core.errors import EXIT_HUNG
-from launcher.faults import flight_recorder, side_channel, stacks
+from launcher.faults import flight_recorder, stacks
 from launcher.faults.exit_status import record_hang
 from launcher.faults.hang_diagnosis import (
     BUSY,
@@ -45,6 +45,7 @@ from launcher.faults.hang_diagnosis import (
     Where,
     diagnose,
 )
+from launcher.faults.side_channel import SideChannel
 
 #: how long rank 0 waits for the ranks' answers; one that has not answered by then cannot
 ANSWER_S = 5.0
@@ -308,23 +309,9 @@ def _size(call: dict) -> str:
     return "" if call["nbytes"] is None else f" {call['nbytes']} B {call['dtype']}"
 
 
-_current: HangWatch | None = None
-
-
-def current() -> HangWatch | None:
-    return _current
-
-
-def start(run_dir: Path | None, timeout_s: float, silent: Callable[[], list[int]],
-          end: Callable[[int], None]) -> HangWatch | None:
-    """Watch for hangs over this process's side channel (none: not distributed). ``silent``:
-    the ranks the heartbeats find silent; ``end``: how to end this process with a status."""
-    global _current
-    channel = side_channel.current()
-    _current = None if channel is None else HangWatch(channel, run_dir, timeout_s, silent, end)
-    return _current
-
-
-def stop() -> None:
-    global _current
-    _current = None
+def start(channel: SideChannel | None, run_dir: Path | None, timeout_s: float,
+          silent: Callable[[], list[int]], end: Callable[[int], None]) -> HangWatch | None:
+    """Watch for hangs over ``channel``, this process's side channel (none: not distributed).
+    ``silent``: the ranks the heartbeats find silent; ``end``: how to end this process with a
+    status."""
+    return None if channel is None else HangWatch(channel, run_dir, timeout_s, silent, end)

@@ -25,6 +25,7 @@ from datetime import timedelta
 from launcher.core.errors import PeerLost
 from launcher.faults import hang_watch
 from launcher.faults.c10d_log import quiet_c10d
+from launcher.faults.hang_watch import HangWatch
 from launcher.placement.env import JobEnv
 
 #: how often a rank sends its beats and reads the others'
@@ -139,36 +140,31 @@ class Heartbeat:
         self._thread.join(timeout=2 * SILENT_S)
 
 
-_current: Heartbeat | None = None
+# the one process-wide reference to the heartbeat: the waits that ask it (``overdue``) run
+# where no caller can hand it over: torch calls the mpi backend's waits (created before the
+# heartbeat, with nothing but its options) and the ranks' agreement runs from any stage of the
+# training. The process group sets it once its heartbeat and hang watch are up, and clears it.
+_waits: tuple[Heartbeat, HangWatch | None] | None = None
 
 
-def current() -> Heartbeat | None:
-    """This rank's heartbeat while its process group is up, else None."""
-    return _current
+def watch_waits(beat: Heartbeat | None, hang: HangWatch | None = None) -> None:
+    """Let ``overdue`` ask ``beat`` (and ``hang``, the hang watch) from now on; None: stop."""
+    global _waits
+    _waits = None if beat is None else (beat, hang)
 
 
-def start(env: JobEnv, channel) -> Heartbeat:
-    """Start beating on the side channel ``channel`` (``launcher.faults.side_channel``)."""
-    global _current
-    _current = Heartbeat(env, channel)
-    return _current
-
-
-def stop() -> None:
-    global _current
-    if _current is not None:
-        _current.close()
-        _current = None
+def watching() -> bool:
+    """Whether waits past their timeout ask the heartbeats (``watch_waits``)."""
+    return _waits is not None
 
 
 def overdue(what: str, elapsed: float, timeout_s: float, rank: int) -> None:
     """A wait for ``what`` passed its timeout: PeerLost naming the silent ranks; none while
     every peer still beats, up to BUSY_LIMIT times the timeout (a peer writing a checkpoint)."""
-    beat = current()
+    beat, watch = _waits or (None, None)
     silent = beat.silent() if beat is not None else []
     failed = (f"{what} did not complete within {timedelta(seconds=round(elapsed))} "
               f"(this is rank {rank}{hang_watch.in_call()})")
-    watch = hang_watch.current()
     if watch is not None:  # alive but not meeting, or ended: said in one line, exit 4
         watch.await_verdict() if silent else watch.check()
     if silent:

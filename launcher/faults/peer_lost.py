@@ -39,15 +39,18 @@ def first_line(exc: BaseException) -> str:
     return _NOISE.sub("", line).split(". This is typically")[0]
 
 
-def diagnose(env: JobEnv, backend: str, exc: BaseException) -> PeerLost:
-    """``exc`` explained by the heartbeats (``launcher.faults.heartbeat``): which ranks fell silent.
-    Beats outlive a broken group and a stopped peer alike, so no store is asked."""
+def diagnose(env: JobEnv, backend: str, exc: BaseException,
+             beat: heartbeat.Heartbeat | None = None,
+             watch: hang_watch.HangWatch | None = None) -> PeerLost:
+    """``exc`` explained by ``beat``, this rank's heartbeats (``launcher.faults.heartbeat``):
+    which ranks fell silent; ``watch``, the hang watch, first says whether the ranks are alive
+    but not meeting. Beats outlive a broken group and a stopped peer alike, so no store is
+    asked."""
     failed = (f"rank {env.rank} on {env.node_name} lost contact in the {backend} process "
               f"group{hang_watch.in_call()} ({first_line(exc)})")
-    beat = heartbeat.current()
     if beat is None:
         return PeerLost(failed, heartbeat.HINT)
-    if (watch := hang_watch.current()) is not None:
+    if watch is not None:
         watch.await_verdict()  # ranks alive but not meeting, or ended: one line, exit 4
     silent = beat.settle()
     if not silent:

@@ -1,10 +1,11 @@
 """The side channel: what the ranks tell each other outside the training's collectives.
 
-One per process, opened with the process group (by ``launcher.faults.failfast.start``) and
-reached with ``current()``. It carries the heartbeats (``exchange``: a beat to this rank's
-watchers, ``launcher.faults.watch``), the fail-fast notices and silence reports (``broadcast``),
-and small messages and posts of any module (``send``, ``on``, ``post``, ``read``). Two
-transports with the same methods:
+One per process, opened with the process group by ``launcher.faults.failfast.start``, held by
+its ``Watchdog`` and handed from there to who needs it (the heartbeat, the hang watch). It
+carries the heartbeats (``exchange``: a beat to this rank's watchers,
+``launcher.faults.watch``), the fail-fast notices and silence reports (``broadcast``), and small
+messages and posts of any module (``send``, ``on``, ``post``, ``read``). Two transports with
+the same methods:
 
 - ``StoreSideChannel`` (gloo, nccl; ``launcher.faults.side_store``): one TCPStore client of its
   own to the rendezvous store, beside the rendezvous' one (two connections per rank in all). Not
@@ -126,25 +127,3 @@ class Posts:
         with self._arrived:
             self._arrived.wait_for(lambda: all(ask in self._answers for ask in asks), timeout_s)
             return [self._answers.pop(ask, None) for ask in asks]
-
-
-_current: SideChannel | None = None
-
-
-def current() -> SideChannel | None:
-    """This process's side channel while its process group is up, else None."""
-    return _current
-
-
-def opened(channel: SideChannel) -> SideChannel:
-    """Make ``channel`` (just opened by ``launcher.faults.failfast.start``) this process's."""
-    global _current
-    _current = channel
-    return channel
-
-
-def close_channel() -> None:
-    global _current
-    if _current is not None:
-        _current.close()
-        _current = None

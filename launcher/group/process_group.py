@@ -103,8 +103,11 @@ def process_group(
     timeout = timedelta(seconds=timeout_s)
     env, name, store, implementation = _start(env, chosen, device, timeout)
     watchdog = failfast.start(env, store)
+    beat = watchdog.heartbeat
     flight_recorder.install()
-    hang_watch.start(run_dir, timeout_s, _silent, failfast.end_process)
+    watch = hang_watch.start(watchdog.channel, run_dir, timeout_s,
+                             beat.silent if beat is not None else list, failfast.end_process)
+    heartbeat.watch_waits(beat, watch)
     healthy = True
     failure: BaseException | None = None
     try:
@@ -119,15 +122,15 @@ def process_group(
         if is_communication_failure(exc):
             if watchdog.notice is not None:  # the failed peer ended: not a lost one
                 raise RankFailed(watchdog.notice.status) from None
-            raise diagnose(env, name, exc) from None
+            raise diagnose(env, name, exc, beat, watch) from None
         raise RankFailed(watchdog.fail(exc)) from None
     finally:
         # a lost or failed peer may hold up an orderly tear-down: the caller ends the process
         # instead (launcher.core.errors.report_and_exit, launcher.faults.failfast.end_process)
         if healthy:
-            if (watch := hang_watch.current()) is not None:
+            if watch is not None:
                 watch.ended()  # for ranks that may still wait for this one
-                hang_watch.stop()
+            heartbeat.watch_waits(None)
             watchdog.close()
             if dist.is_initialized():
                 _release_users_of_the_group(failure)
@@ -148,7 +151,7 @@ def _start(env: JobEnv, chosen: BackendPlan, device: torch.device,
         if name == MPI4PY:
             from launcher.mpi import cxx as mpi_cxx
 
-            choice = mpi_cxx.choose(env.mpi_impl)
+            choice = mpi_cxx.choose(env.mpi_impl, env.mpi_cxx_dir)
             name, implementation = choice.name, choice.reason
         guard.stage("the rendezvous")
         if chosen.store:
@@ -157,11 +160,6 @@ def _start(env: JobEnv, chosen: BackendPlan, device: torch.device,
                 name = nccl_unless_gpus_are_shared(env, store, device, chosen.if_gpu_shared)
         _init(env, name, store, timeout)
     return env, name, store, implementation
-
-
-def _silent() -> list[int]:
-    beat = heartbeat.current()
-    return [] if beat is None else beat.silent()
 
 
 def _release_users_of_the_group(failure: BaseException | None) -> None:

@@ -2,8 +2,9 @@
 
 Which libmpi a rank loads (``library``, also run at interpreter start-up by the image's
 ``.pth`` line), whether single-copy transfers work (``cma``), the torch.distributed backend on
-mpi4py (``backend``: its set-up; ``operations``, ``buffers``, ``waiting``), the same compiled
-(``cxx``, its C++ in ``cxx.cpp``) and MPICH's shared-memory segments.
+mpi4py (``backend``: its set-up; ``operations``: the group, its ops in ``reductions`` and
+``movement``; ``buffers``, ``waiting``), the same compiled (``cxx``, its C++ in ``cxx.cpp``)
+and MPICH's shared-memory segments.
 
 May import: ``launcher.core``, ``launcher.placement``, ``launcher.faults``.
 """

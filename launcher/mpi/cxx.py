@@ -4,7 +4,8 @@ wherever it can run.
 
 ``python -m launcher.mpi.cxx`` (``scripts/bootstrap.sh``, the image's build stage) compiles it
 against the MPICH beside the venv's Python (``include/mpi.h``, ``lib/libmpi.so.12``, rpath)
-into ``DDP_MPI_CXX_DIR`` (default ``<venv>/lib/ddp-ext``), outside git. The file is named by a
+into ``DDP_MPI_CXX_DIR`` (default ``<venv>/lib/ddp-ext``; ``JobEnv.mpi_cxx_dir``, read with
+``CXX`` by ``launcher.placement.env.build_tools``), outside git. The file is named by a
 hash of the source and the torch version, so a re-run with nothing changed finds it and
 compiles nothing. Which libmpi it runs on is decided when it loads: the dynamic linker hands it
 the ``libmpi.so.12`` mpi4py already loaded (a host's Intel MPI, Cray MPICH or MVAPICH bound in:
@@ -37,7 +38,6 @@ import torch
 
 BACKEND_NAME = "mpi_cxx"
 SOURCE = Path(__file__).with_name("cxx.cpp")
-DIR_VARIABLE = "DDP_MPI_CXX_DIR"
 #: what ``DDP_MPI_IMPL`` may say
 IMPL_CHOICES = ("auto", "cxx", "python")
 #: the ABI the source is compiled for (``mpi.h`` of MPICH)
@@ -51,8 +51,9 @@ def _launch_error(message: str, hint: str) -> Exception:
     return LaunchError(message, hint)
 
 
-def build_dir() -> Path:
-    return Path(os.environ.get(DIR_VARIABLE) or Path(sys.prefix) / "lib" / "ddp-ext")
+def build_dir(given: str | None = None) -> Path:
+    """Where the compiled module is: ``given`` (``DDP_MPI_CXX_DIR``) or beside the venv."""
+    return Path(given or Path(sys.prefix) / "lib" / "ddp-ext")
 
 
 def module_name() -> str:
@@ -61,13 +62,14 @@ def module_name() -> str:
     return f"ddp_mpi_cxx_{digest[:16]}"
 
 
-def built_path() -> Path:
-    return build_dir() / f"{module_name()}.so"
+def built_path(directory: str | None = None) -> Path:
+    return build_dir(directory) / f"{module_name()}.so"
 
 
-def build(mpi_prefix: Path, quiet: bool = True) -> Path:
-    """Compile the extension against ``mpi_prefix``'s MPICH unless it is built already."""
-    target = built_path()
+def build(mpi_prefix: Path, directory: str | None = None, quiet: bool = True) -> Path:
+    """Compile the extension against ``mpi_prefix``'s MPICH into ``directory`` (``build_dir``)
+    unless it is built already."""
+    target = built_path(directory)
     if target.exists():
         return target
     include, lib = mpi_prefix / "include", mpi_prefix / "lib"
@@ -98,7 +100,7 @@ def build(mpi_prefix: Path, quiet: bool = True) -> Path:
         Path(tmp, "manifest.json").write_text(json.dumps(manifest))
         os.replace(Path(tmp, "manifest.json"), target.with_suffix(".json"))
         os.replace(built, target)  # atomic: a rank never loads half a file
-    for stale in build_dir().glob("ddp_mpi_cxx_*.so"):
+    for stale in target.parent.glob("ddp_mpi_cxx_*.so"):
         if stale != target:
             stale.unlink(missing_ok=True)
             stale.with_suffix(".json").unlink(missing_ok=True)
@@ -112,8 +114,8 @@ def loaded_libmpi() -> str | None:
     return paths[0] if paths else None
 
 
-def _why_not_built() -> str:
-    others = sorted(build_dir().glob("ddp_mpi_cxx_*.json"))
+def _why_not_built(directory: str | None) -> str:
+    others = sorted(build_dir(directory).glob("ddp_mpi_cxx_*.json"))
     for other in others:
         version = json.loads(other.read_text()).get("torch")
         if version != torch.__version__:
@@ -122,7 +124,8 @@ def _why_not_built() -> str:
     if others:
         return "the compiled mpi backend was built from another source (rebuild: " \
                "python -m launcher.mpi.cxx)"
-    return f"the compiled mpi backend is not built in {build_dir()} (./scripts/bootstrap.sh " \
+    return f"the compiled mpi backend is not built in {build_dir(directory)} " \
+           "(./scripts/bootstrap.sh " \
            "or python -m launcher.mpi.cxx builds it)"
 
 
@@ -136,19 +139,22 @@ class Choice:
     reason: str
 
 
+# the compiled module once loaded: an extension is loaded once per process, and torch calls
+# the backend registered from it (``register``) with its options alone; read only here
 _module: ModuleType | None = None
 
 
-def _load() -> tuple[ModuleType | None, str]:
-    """The compiled module, or None and why it cannot run here. Needs MPI started."""
+def _load(directory: str | None) -> tuple[ModuleType | None, str]:
+    """The compiled module in ``directory``, or None and why it cannot run here. Needs MPI
+    started."""
     global _module
     if _module is not None:
         return _module, ""
     from mpi4py import MPI
 
-    path = built_path()
+    path = built_path(directory)
     if not path.exists():
-        return None, _why_not_built()
+        return None, _why_not_built(directory)
     libmpi = loaded_libmpi()
     if libmpi is None or not Path(libmpi).name.startswith(SONAME):
         return None, f"mpi4py runs on {libmpi or 'an unknown libmpi'}, the compiled mpi " \
@@ -178,8 +184,9 @@ def loaded() -> ModuleType | None:
     return _module
 
 
-def choose(request: str = "auto") -> Choice:
-    """Register the implementation ``request`` (``DDP_MPI_IMPL``) asks for; MPI started."""
+def choose(request: str = "auto", directory: str | None = None) -> Choice:
+    """Register the implementation ``request`` (``JobEnv.mpi_impl``) asks for, the compiled one
+    from ``directory`` (``JobEnv.mpi_cxx_dir``); MPI started."""
     from launcher.mpi import backend as mpi_backend
 
     if request not in IMPL_CHOICES:
@@ -187,7 +194,7 @@ def choose(request: str = "auto") -> Choice:
                           "unset DDP_MPI_IMPL (auto: the compiled backend where it runs)")
     if request == "python":
         return Choice(mpi_backend.register(), "the Python mpi backend (DDP_MPI_IMPL=python)")
-    module, why = _load()
+    module, why = _load(directory)
     if module is None:
         if request == "cxx":
             raise _launch_error(why, "unset DDP_MPI_IMPL to fall back to the Python backend")
@@ -218,6 +225,18 @@ def register(module: ModuleType) -> None:
                                   devices=["cpu", "cuda"])
 
 
+def _build_tools() -> tuple[str | None, str]:
+    """DDP_MPI_CXX_DIR and CXX (directory, compiler), as ``launcher.placement.env`` reads them."""
+    if not __package__:
+        # run as a file of its own: the image's build stage, before the project is copied,
+        # which sets neither variable: the defaults
+        return None, "c++"
+    from launcher.placement.env import build_tools
+
+    tools = build_tools()
+    return tools.mpi_cxx_dir, tools.compiler
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m launcher.mpi.cxx",
                                      description="build the compiled mpi backend (cached)")
@@ -225,11 +244,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="where MPICH's include/mpi.h and lib/libmpi.so.12 are")
     parser.add_argument("--verbose", action="store_true", help="show the compiler's commands")
     args = parser.parse_args(argv)
-    if shutil.which(os.environ.get("CXX", "c++")) is None:
-        raise SystemExit("launcher.mpi.cxx: error: no C++ compiler (c++)\n"
+    directory, compiler = _build_tools()
+    if shutil.which(compiler) is None:
+        raise SystemExit(f"launcher.mpi.cxx: error: no C++ compiler ({compiler})\n"
                          "HINT: apt-get install g++")
-    fresh = not built_path().exists()
-    path = build(args.mpi_prefix, quiet=not args.verbose)
+    fresh = not built_path(directory).exists()
+    path = build(args.mpi_prefix, directory, quiet=not args.verbose)
     print(f"mpi_cxx: {'built' if fresh else 'up to date'}: {path}")
     return 0
 

@@ -105,6 +105,9 @@ def choose(env: JobEnv, bundled: tuple[Path, ...] | None = None) -> MpiChoice:
     return MpiChoice("", "", f"no bundled {wanted} MPI: mpi4py's own search")
 
 
+# kept process-wide on purpose: a process loads one libmpi, once (mpi4py cannot switch), and
+# the node's CMA probe is a meeting of its ranks that must not run twice; read only here
+# (``chosen``, ``load``), the module's callers get the choice as a value
 _loaded: MpiChoice | None = None
 
 
@@ -141,9 +144,6 @@ def load(env: JobEnv) -> MpiChoice:
                             "across nodes for a world size that is not a power of two")
     return _loaded
 
-
-#: this node's decision on CMA, once made (``launcher.check`` shows it on local rank 0)
-single_copy: cma.Decision | None = None
 
 
 def _decide_single_copy(env: JobEnv, choice: MpiChoice) -> None:

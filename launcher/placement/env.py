@@ -50,6 +50,7 @@ class JobEnv(Placement):
     library_path: tuple[str, ...] = ()  # LD_LIBRARY_PATH's directories, in order
     mpi4py_request: str | None = None  # MPI4PY_LIBMPI / MPI4PY_MPIABI as the user set them
     mpi_impl: str = "auto"  # DDP_MPI_IMPL: --backend mpi compiled ("cxx"), "python" or "auto"
+    mpi_cxx_dir: str | None = None  # DDP_MPI_CXX_DIR: where the compiled mpi backend is built
     ifname: str | None = None  # GLOO_SOCKET_IFNAME as the user set it (--ifname)
     network: NetworkChoice | None = None  # the interface used, chosen at start-up
 
@@ -68,6 +69,25 @@ class JobEnv(Placement):
         if 0 <= self.node_rank < len(self.hosts):
             return self.hosts[self.node_rank]
         return self.hostname
+
+
+@dataclass(frozen=True)
+class BuildTools:
+    """What building the compiled mpi backend reads (``python -m launcher.mpi.cxx``, before any
+    rank exists); ``JobEnv`` takes its ``mpi_cxx_dir`` from here, so each is read once."""
+
+    #: DDP_MPI_CXX_DIR: where the compiled backend is put and found (None: ``<venv>/lib/ddp-ext``)
+    mpi_cxx_dir: str | None = None
+    #: CXX: the C++ compiler the build runs
+    compiler: str = "c++"
+
+
+def build_tools(environ: Mapping[str, str] | None = None) -> BuildTools:
+    """``BuildTools`` read from ``environ`` (default: ``os.environ``)."""
+    if environ is None:
+        environ = os.environ
+    return BuildTools(mpi_cxx_dir=environ.get("DDP_MPI_CXX_DIR") or None,
+                      compiler=environ.get("CXX", "c++"))
 
 
 def parse_signal(value: str, variable: str = "DDP_PREEMPT_SIGNAL") -> str:
@@ -184,6 +204,7 @@ def detect_environment(
         library_path=tuple(filter(None, environ.get("LD_LIBRARY_PATH", "").split(":"))),
         mpi4py_request=_mpi4py_request(environ),
         mpi_impl=environ.get("DDP_MPI_IMPL", "").strip() or "auto",
+        mpi_cxx_dir=build_tools(environ).mpi_cxx_dir,
         ifname=environ.get("GLOO_SOCKET_IFNAME", "").strip() or None,
     )
 

@@ -18,9 +18,9 @@ from launcher.training.setup import build_trainer
 
 
 def main(argv: list[str] | None = None) -> None:
-    with exit_statuses():
+    with exit_statuses() as env:
         config = parse_args(argv)
-        with distributed(config.backend, config.timeout_s, config.run_dir) as job:
+        with distributed(config.backend, config.timeout_s, config.run_dir, env) as job:
             train(config, job)
 
 
