@@ -1,10 +1,12 @@
-"""A model that raises on one rank at one point: the fault-injection hook of the fail-fast tests.
+"""A model that raises (or spins) on one rank at one point: the fail-fast (and hang) tests'
+fault-injection hook.
 
-    FAULT_AT=build|step:K|eval|checkpoint FAULT_RANK=R \
+    FAULT_AT=build|step:K|spin:K|eval|checkpoint FAULT_RANK=R \
         python -m launcher.train --model tests.faulty_model:factory
 
 - ``build``: the factory raises (model build, inside the process group);
 - ``step:K``: the K-th training forward raises (a training step, mid-job);
+- ``spin:K``: the K-th training forward loops for good (a hang: ``tests/test_hang.py``);
 - ``eval``: the first evaluation forward after training started raises;
 - ``checkpoint``: the first checkpoint written after training started fails while it is being
   encoded (rank 0 writes checkpoints, so use it with ``FAULT_RANK=0``).
@@ -52,6 +54,10 @@ class FaultyModel(nn.Module):
             self.train_forwards += 1
             if self.at == f"step:{self.train_forwards}":
                 raise _fault(ValueError(f"{MESSAGE} at step {self.train_forwards}"))
+            if self.at == f"spin:{self.train_forwards}":
+                print(f"spinning since {time.monotonic()}", file=sys.stderr, flush=True)
+                while True:
+                    time.sleep(0.001)  # the spin
         elif self.at == "eval" and self.train_forwards:
             raise _fault(ValueError(f"{MESSAGE} at evaluation"))
         return self.net(images)

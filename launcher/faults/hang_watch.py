@@ -80,6 +80,9 @@ class HangWatch:
         self._deciding = threading.Lock()
         self._ended: dict[int, Where] = {}
         self._acks = 0
+        #: (group, seq) of the call this rank's overdue wait is for: an async op's entry stays
+        #: "issued" while its Work is waited on (DDP's gradient buckets wait in C++)
+        self._overdue: tuple[str, int] | None = None
         #: the line, once decided or taken: one per job, whoever asks again
         self._verdict: str | None = None
         #: set when rank 0 said there is nothing to tell (a lost peer, a long call)
@@ -98,6 +101,8 @@ class HangWatch:
 
     def check(self) -> None:
         """A wait passed its timeout: ask rank 0 to look (at most once per timeout)."""
+        entry = flight_recorder.current()
+        self._overdue = None if entry is None else (entry.group, entry.seq)
         now = time.monotonic()
         if now - self._asked_at < self._timeout_s:
             return
@@ -148,13 +153,24 @@ class HangWatch:
         asked = json.loads(payload)
         directory = Path(asked["dir"])
         entry = flight_recorder.current()
-        kind = (WAITING if entry is not None and entry.state in ("running", "failed")
+        kind = (WAITING if self._waits_in(entry)
                 else BUSY if flight_recorder.is_working() else ELSEWHERE)
-        where = self._where(kind, *stacks.main_thread_at())
+        # a waiting rank is where its call is: a failed gloo call has unwound the main thread
+        # into the launcher's handlers
+        at = (entry.where, entry.function) if kind == WAITING else stacks.main_thread_at()
+        where = self._where(kind, *at)
         where.stack = str(directory / f"rank-{self.rank}.txt")
         _write_files(directory, where, stacks.all_threads())
         _sent(self._channel.post, "hang.where", json.dumps({"round": asked["round"],
                                                             "where": where.to_dict()}).encode())
+
+    def _waits_in(self, entry: flight_recorder.Entry | None) -> bool:
+        """Whether this rank waits in ``entry``: a call under way, or the issued one whose
+        wait passed the timeout (a newer call means that wait ended)."""
+        if entry is None:
+            return False
+        return entry.state in ("running", "failed") or (
+            entry.state == "issued" and (entry.group, entry.seq) == self._overdue)
 
     def _take_verdict(self, message) -> None:
         line = message.payload.decode()
