@@ -1,18 +1,24 @@
-"""Ranks alive but not meeting, for real: mpiexec, gloo and the mpi backend, 2 and 4 ranks.
+"""Ranks alive but not meeting, for real: under mpiexec, torchrun and srun, gloo and the mpi
+backend, 2 and 4 ranks, in a script of the user's own and in ``launcher.train``.
 
-Each job runs tests/hang_scripts/hung.py with ``timeout_s=5``: rank 1 skips an all_reduce,
-spins in a Python loop, waits on a lock of its own, or stops (SIGSTOP). Every rank that can
-must print the one line naming rank 1, the collective and the lines, within the timeout + 10 s
-of rank 0 starting to wait, exit 4 (3 for the stopped rank: its node is the suspect), leave the
-post-mortem that ``python -m launcher.hang`` reads back to the same line, and nothing behind.
+Each mpiexec job runs tests/hang_scripts/hung.py with ``timeout_s=5``: rank 1 skips an
+all_reduce, spins in a Python loop, waits on a lock of its own, or stops (SIGSTOP). Every rank
+that can must print the one line naming rank 1, the collective and the lines, within the
+timeout + 10 s of rank 0 starting to wait, exit 4 (3 for the stopped rank: its node is the
+suspect), leave the post-mortem that ``python -m launcher.hang`` reads back to the same line,
+and nothing behind. Under torchrun and srun, the most telling cases only: the same script's
+skip (gloo) and spin (mpi), and ``launcher.train`` whose rank 1 spins in its model's forward
+(``tests.faulty_model``) while rank 0 waits on DDP's gradient all_reduce.
 """
 
 from __future__ import annotations
 
 import re
+import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -27,20 +33,47 @@ SCRIPTS = Path(__file__).parent / "hang_scripts"
 TIMEOUT_S = 5
 #: what the issue allows after the timeout
 BOUND_S = 10
+#: the node every rank runs on (the one Slurm node of ``slurm_cluster`` is this host)
+NODE = socket.gethostname().split(".")[0]
+
+#: runs ``argv`` (a python command line) as a job of N ranks, with variables added to its
+#: environment: the finished process
+Launch = Callable[[list[str], dict[str, str]], subprocess.CompletedProcess]
 
 
-def _line(script: str, marker: str) -> str:
-    text = (SCRIPTS / script).read_text().splitlines()
-    number = next(n for n, line in enumerate(text, 1) if f"# {marker}" in line)
-    return f"tests/hang_scripts/{script}:{number}"
+def _line(script: str, marker: str, folder: str = "tests/hang_scripts") -> str:
+    path = REPO_ROOT / folder / script
+    number = next(n for n, line in enumerate(path.read_text().splitlines(), 1)
+                  if f"# {marker}" in line)
+    return f"{folder}/{script}:{number}"
 
 
-def _run(ranks: int, args: list[str]) -> tuple[int, str, float]:
-    """Run the job; its status, output and when it ended (time.monotonic)."""
+def _local(argv: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=REPO_ROOT,
+                          env=clean_environ(env))
+
+
+def mpiexec(ranks: int) -> Launch:
+    return lambda argv, env: _local([str(mpiexec_path()), "-n", str(ranks), *argv], env)
+
+
+def torchrun(ranks: int) -> Launch:
+    return lambda argv, env: _local([argv[0], "-m", "torch.distributed.run", "--standalone",
+                                     "--nproc-per-node", str(ranks), *argv[1:]], env)
+
+
+def srun(cluster, ranks: int) -> Launch:
+    return lambda argv, env: cluster.srun(["-n", str(ranks), "--mpi=pmi2", *argv], timeout=120,
+                                          cwd=REPO_ROOT,
+                                          env={**env, "PYTHONPATH": str(REPO_ROOT)})
+
+
+def _run(launch: Launch, args: list[str], env: dict[str, str] | None = None
+         ) -> tuple[int, str, float]:
+    """Run ``python ARGS`` under LAUNCH; its status, output and when it ended
+    (time.monotonic)."""
     left = LeftBehind()
-    process = subprocess.run([str(mpiexec_path()), "-n", str(ranks), sys.executable, *args],
-                             capture_output=True, text=True, timeout=120, cwd=REPO_ROOT,
-                             env=clean_environ({"DDP_TEST_MARK": left.mark}))
+    process = launch([sys.executable, *args], {**(env or {}), "DDP_TEST_MARK": left.mark})
     ended = time.monotonic()
     left.check()
     return process.returncode, process.stdout + process.stderr, ended
@@ -53,6 +86,46 @@ def _lines(output: str, rank: int) -> list[str]:
     return [line.split("] ", 1)[1] for line in lines if line.startswith(f"[rank {rank}] hang:")]
 
 
+def _on_every_rank(output: str, ranks: int) -> str:
+    """The line, printed once by every rank but one that left the job (rank 1, its barrier met
+    by MPI), which prints nothing more."""
+    line = _lines(output, 0)[0]
+    for rank in range(ranks):
+        left = rank == 1 and f"rank 1 ({NODE}) ended at " in line
+        assert _lines(output, rank) == ([] if left else [line]), output
+    return line
+
+
+def _names_the_skip(line: str) -> None:
+    """Rank 1 skipped the 3rd all_reduce of hung.py: its barrier met the others' 4th."""
+    barrier = _line("hung.py", "the barrier")
+    assert f"rank 1 ({NODE}) is in barrier #4 at {barrier}" in line \
+        or f"rank 1 ({NODE}) called barrier #4 at {barrier}" in line, line
+    assert "all_reduce #4 at " + _line("hung.py", "the all_reduce") in line, line
+    assert "in a different order" in line, line
+
+
+def _never_entered(line: str, seq: int, at: str, waited: str) -> None:
+    """Rank 1 is at AT while rank 0 (and any other) waits in all_reduce #SEQ at WAITED."""
+    assert line.startswith(f"hang: rank 1 ({NODE}) never entered all_reduce #{seq}: it is at "
+                           f"{at}"), line
+    assert f"wait in all_reduce #{seq} at {waited}" in line or \
+        f"waits in all_reduce #{seq} at {waited}" in line, line
+
+
+def _read_back(run_dir: Path, line: str, ranks: int) -> None:
+    """The exit status file and ``python -m launcher.hang``: the same line, and the table."""
+    assert (run_dir / "exit-status").read_text() == f"{EXIT_HUNG} {line}\n"
+    again = subprocess.run([sys.executable, "-m", "launcher.hang", str(run_dir)],
+                           capture_output=True, text=True, env=clean_environ(), cwd=REPO_ROOT)
+    assert again.stdout.splitlines()[0] == line, again.stdout + again.stderr
+    assert len(again.stdout.splitlines()) == 2 + 1 + ranks  # the line, a gap, the table
+
+
+def _since(output: str, what: str = "waiting") -> float:
+    return float(re.search(rf"{what} since (\S+)", output).group(1))
+
+
 CASES = [  # how, backend, ranks
     ("skip", "gloo", 4), ("skip", "mpi", 4), ("spin", "gloo", 2), ("spin", "mpi", 2),
     ("lock", "gloo", 2), ("lock", "mpi", 2), ("stop", "gloo", 2), ("stop", "mpi", 2),
@@ -61,10 +134,9 @@ CASES = [  # how, backend, ranks
 
 @pytest.mark.parametrize(("how", "backend", "ranks"), CASES)
 def test_the_line_names_who_is_where(how, backend, ranks, tmp_path):
-    status, output, ended = _run(ranks, [str(SCRIPTS / "hung.py"), how, backend,
-                                         str(tmp_path)])
-    since = float(re.search(r"waiting since (\S+)", output).group(1))
-    assert ended - since <= TIMEOUT_S + BOUND_S, output
+    status, output, ended = _run(mpiexec(ranks), [str(SCRIPTS / "hung.py"), how, backend,
+                                                  str(tmp_path)])
+    assert ended - _since(output) <= TIMEOUT_S + BOUND_S, output
     waited = _line("hung.py", "the all_reduce")
     if how == "stop":
         assert status == EXIT_PEER_LOST, output
@@ -72,37 +144,85 @@ def test_the_line_names_who_is_where(how, backend, ranks, tmp_path):
                          r"no heartbeat for 5 s from rank 1 \(", output), output
         return
     assert status == EXIT_HUNG, output
-    line = _lines(output, 0)[0]
-    for rank in range(ranks):
-        # a rank that left the job (rank 1, its barrier met by MPI) prints nothing more
-        left = rank == 1 and "rank 1 (vm) ended at " in line
-        assert _lines(output, rank) == ([] if left else [line]), output
+    line = _on_every_rank(output, ranks)
     if how == "skip":
-        assert f"rank 1 (vm) is in barrier #4 at {_line('hung.py', 'the barrier')}" in line \
-            or f"rank 1 (vm) called barrier #4 at {_line('hung.py', 'the barrier')}" in line
-        assert "all_reduce #4 at " + waited in line and "in a different order" in line
+        _names_the_skip(line)
     else:
-        assert line.startswith(f"hang: rank 1 (vm) never entered all_reduce #3: it is at "
-                               f"{_line('hung.py', 'the ' + how)}"), line
-        assert f"wait in all_reduce #3 at {waited}" in line or \
-            f"waits in all_reduce #3 at {waited}" in line
-    assert (tmp_path / "exit-status").read_text() == f"{EXIT_HUNG} {line}\n"
-    again = subprocess.run([sys.executable, "-m", "launcher.hang", str(tmp_path)],
-                           capture_output=True, text=True, env=clean_environ(), cwd=REPO_ROOT)
-    assert again.stdout.splitlines()[0] == line, again.stdout + again.stderr
-    assert len(again.stdout.splitlines()) == 2 + 1 + ranks  # the line, a gap, the table
+        _never_entered(line, 3, _line("hung.py", "the " + how), waited)
+    _read_back(tmp_path, line, ranks)
+
+
+#: torchrun's agent ends with 1 whatever its ranks' statuses; it prints each one's
+TORCHRUN_EXIT = re.compile(rf"rank\s*: 0 \(local_rank: 0\)\n\s*exitcode\s*: {EXIT_HUNG} ")
+
+
+def test_under_torchrun_rank_1_skips_an_all_reduce(tmp_path):
+    status, output, ended = _run(torchrun(2), [str(SCRIPTS / "hung.py"), "skip", "gloo",
+                                               str(tmp_path)])
+    assert ended - _since(output) <= TIMEOUT_S + BOUND_S, output
+    assert status == 1 and TORCHRUN_EXIT.search(output), output
+    line = _on_every_rank(output, 2)
+    _names_the_skip(line)
+    _read_back(tmp_path, line, 2)
+
+
+def _train_spinning(launch: Launch, backend: str, tmp_path: Path) -> tuple[int, str]:
+    """launcher.train, 2 ranks, rank 1 spinning in its 3rd forward: the line names it, where
+    rank 0 waits (the gradients' all_reduce: DDP issued it, and waits for it in C++)."""
+    run_dir = tmp_path / "run"
+    (tmp_path / "data").mkdir()
+    status, output, ended = _run(launch, [
+        "-m", "launcher.train", "--model", "tests.faulty_model:factory", "--backend", backend,
+        "--run-dir", str(run_dir), "--data-dir", str(tmp_path / "data"), "--epochs", "1",
+        "--global-batch-size", "64", "--threads", "1", "--timeout-s", str(TIMEOUT_S)],
+        {"FAULT_AT": "spin:3", "FAULT_RANK": "1"})
+    assert ended - _since(output, "spinning") <= TIMEOUT_S + BOUND_S, output
+    line = _on_every_rank(output, 2)
+    # the call as the recorder labels it (a note on DDP's buckets where they are recorded as
+    # such), from a line of launcher.train's
+    call = r"all_reduce #\d+(?: \([^)]*\))?"
+    spin, node = re.escape(_line("faulty_model.py", "the spin", "tests")), re.escape(NODE)
+    found = re.match(rf"hang: rank 1 \({node}\) never entered ({call}): it is at {spin} in "
+                     rf"forward .*; rank 0 \({node}\) waits in ({call}) at launcher/training/",
+                     line)
+    assert found and found.group(1) == found.group(2), line
+    _read_back(run_dir, line, 2)
+    return status, output
+
+
+def test_under_torchrun_launcher_train_names_a_spinning_rank(tmp_path):
+    status, output = _train_spinning(torchrun(2), "gloo", tmp_path)
+    assert status == 1 and TORCHRUN_EXIT.search(output), output
+
+
+@pytest.mark.slurm
+def test_under_srun_rank_1_spins(slurm_cluster, tmp_path):
+    status, output, ended = _run(srun(slurm_cluster, 2), [str(SCRIPTS / "hung.py"), "spin",
+                                                          "mpi", str(tmp_path)])
+    assert ended - _since(output) <= TIMEOUT_S + BOUND_S, output
+    assert status == EXIT_HUNG, output
+    line = _on_every_rank(output, 2)
+    _never_entered(line, 3, _line("hung.py", "the spin"), _line("hung.py", "the all_reduce"))
+    _read_back(tmp_path, line, 2)
+
+
+@pytest.mark.slurm
+def test_under_srun_launcher_train_names_a_spinning_rank(slurm_cluster, tmp_path):
+    status, output = _train_spinning(srun(slurm_cluster, 2), "mpi", tmp_path)
+    assert status == EXIT_HUNG, output
 
 
 def test_acceptance_rank_2_skips_the_5th_all_reduce(tmp_path):
     """Issue 36's acceptance: every rank ends within 30 s, one line naming rank 2,
     all_reduce #5 and both source lines; python -m launcher.hang prints the same."""
     started = time.monotonic()
-    status, output, ended = _run(4, [str(SCRIPTS / "acceptance.py"), str(tmp_path)])
+    status, output, ended = _run(mpiexec(4), [str(SCRIPTS / "acceptance.py"),
+                                               str(tmp_path)])
     assert status == EXIT_HUNG, output
     line = _lines(output, 0)[0]
     # rank 2 left the job before: the others print it
     assert [_lines(output, rank) for rank in (0, 1, 3)] == [[line]] * 3, output
-    assert "rank 2 (vm)" in line and "all_reduce #5" in line, line
+    assert f"rank 2 ({NODE})" in line and "all_reduce #5" in line, line
     assert _line("acceptance.py", "the gradients") in line, line
     assert _line("acceptance.py", "the loss") in line, line
     assert ended - started <= 30 + 10, output  # 30 s of the job, up to 10 s to start it
