@@ -154,6 +154,9 @@ def test_the_line_names_who_is_where(how, backend, ranks, tmp_path):
 
 #: torchrun's agent ends with 1 whatever its ranks' statuses; it prints each one's
 TORCHRUN_EXIT = re.compile(rf"rank\s*: 0 \(local_rank: 0\)\n\s*exitcode\s*: {EXIT_HUNG} ")
+#: srun's status is the highest of its tasks', 137 where MPI_Abort had the others killed; it
+#: prints each one's (the batch script takes the run directory's exit-status)
+SRUN_EXIT = re.compile(rf"srun: error: \S+: task 0: Exited with exit code {EXIT_HUNG}$", re.M)
 
 
 def test_under_torchrun_rank_1_skips_an_all_reduce(tmp_path):
@@ -200,7 +203,7 @@ def test_under_srun_rank_1_spins(slurm_cluster, tmp_path):
     status, output, ended = _run(srun(slurm_cluster, 2), [str(SCRIPTS / "hung.py"), "spin",
                                                           "mpi", str(tmp_path)])
     assert ended - _since(output) <= TIMEOUT_S + BOUND_S, output
-    assert status == EXIT_HUNG, output
+    assert status != 0 and SRUN_EXIT.search(output), output
     line = _on_every_rank(output, 2)
     _never_entered(line, 3, _line("hung.py", "the spin"), _line("hung.py", "the all_reduce"))
     _read_back(tmp_path, line, 2)
@@ -209,7 +212,7 @@ def test_under_srun_rank_1_spins(slurm_cluster, tmp_path):
 @pytest.mark.slurm
 def test_under_srun_launcher_train_names_a_spinning_rank(slurm_cluster, tmp_path):
     status, output = _train_spinning(srun(slurm_cluster, 2), "mpi", tmp_path)
-    assert status == EXIT_HUNG, output
+    assert status != 0 and SRUN_EXIT.search(output), output
 
 
 def test_acceptance_rank_2_skips_the_5th_all_reduce(tmp_path):
