@@ -225,7 +225,7 @@ def begin(group, name: str, tensor, note: str) -> list:
     buckets, ``launcher.faults.ddp_buckets``), from the first frame outside torch and launcher
     of this thread, else of the main thread (CUDA runs backward in a thread of torch's own);
     ``finish`` ends it. What ``_wrap``'s wrapper does inline."""
-    code, lasti = call_site.caller(sys._getframe(1))
+    code, lasti = call_site.caller(call_site.past_hook(sys._getframe(1)))
     if code is None:
         main = sys._current_frames().get(threading.main_thread().ident)
         code, lasti = call_site.caller(main)
