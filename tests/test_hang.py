@@ -129,6 +129,7 @@ def _since(output: str, what: str = "waiting") -> float:
 CASES = [  # how, backend, ranks
     ("skip", "gloo", 4), ("skip", "mpi", 4), ("spin", "gloo", 2), ("spin", "mpi", 2),
     ("lock", "gloo", 2), ("lock", "mpi", 2), ("stop", "gloo", 2), ("stop", "mpi", 2),
+    ("async", "gloo", 2),
 ]
 
 
@@ -148,7 +149,8 @@ def test_the_line_names_who_is_where(how, backend, ranks, tmp_path):
     if how == "skip":
         _names_the_skip(line)
     else:
-        _never_entered(line, 3, _line("hung.py", "the " + how), waited)
+        _never_entered(line, 3, _line("hung.py", "the spin" if how == "async" else "the " + how),
+                       waited)
     _read_back(tmp_path, line, ranks)
 
 

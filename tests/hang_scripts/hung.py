@@ -3,7 +3,8 @@
 skip: rank 1 skips the 3rd all_reduce (then its barrier meets the others' 4th all_reduce);
 spin: rank 1 loops in Python
 before the 3rd; lock: rank 1 waits on a lock of its own before the 3rd; stop: rank 1 stops
-itself (SIGSTOP) before the 3rd. The other ranks wait in all_reduce #3.
+itself (SIGSTOP) before the 3rd; async: rank 1 spins, every rank waits on its all_reduce's
+Work (``async_op=True``). The other ranks wait in all_reduce #3.
 """
 
 import os
@@ -26,7 +27,7 @@ with launcher.distributed(backend=backend, timeout_s=5, status_dir=run_dir) as j
         if job.rank == 1 and step == 3:
             if how == "skip":
                 continue
-            if how == "spin":
+            if how in ("spin", "async"):
                 while True:
                     time.sleep(0.001)  # the spin
             if how == "lock":
@@ -35,6 +36,8 @@ with launcher.distributed(backend=backend, timeout_s=5, status_dir=run_dir) as j
                 lock.acquire()  # the lock
             if how == "stop":
                 os.kill(os.getpid(), signal.SIGSTOP)  # the stop
-        dist.all_reduce(tensor)  # the all_reduce
+        work = dist.all_reduce(tensor, async_op=how == "async")  # the all_reduce
+        if work is not None:
+            work.wait()
     dist.barrier()  # the barrier
     job.print("done")
