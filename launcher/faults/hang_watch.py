@@ -34,7 +34,7 @@ from pathlib import Path
 
 from launcher.core.atomic import write_atomic
 from launcher.core.errors import EXIT_HUNG
-from launcher.faults import flight_recorder, stacks
+from launcher.faults import flight_recorder, hang_files, stacks
 from launcher.faults.exit_status import record_hang
 from launcher.faults.hang_diagnosis import (
     BUSY,
@@ -160,7 +160,7 @@ class HangWatch:
         at = (entry.where, entry.function) if kind == WAITING else stacks.main_thread_at()
         where = self._where(kind, *at)
         where.stack = str(directory / f"rank-{self.rank}.txt")
-        _write_files(directory, where, stacks.all_threads())
+        hang_files.write(directory, where, stacks.all_threads())
         _sent(self._channel.post, "hang.where", json.dumps({"round": asked["round"],
                                                             "where": where.to_dict()}).encode())
 
@@ -231,12 +231,12 @@ class HangWatch:
                 wheres.append(Where.from_dict(said["where"]))
             elif rank in self._ended:
                 wheres.append(self._ended[rank])
-                _write_files(directory, self._ended[rank], "(ended: no stacks)\n", mine=False)
+                hang_files.write(directory, self._ended[rank], "(ended: no stacks)\n", mine=False)
             elif rank in silent:
                 return None, directory  # the heartbeats report it (PeerLost)
             else:
                 wheres.append(Where(rank, self._channel.node(rank), NO_ANSWER))
-                _write_files(directory, wheres[-1], "(did not answer: no stacks)\n", mine=False)
+                hang_files.write(directory, wheres[-1], "(did not answer: no stacks)\n", mine=False)
         line = diagnose(wheres)
         if line is not None:
             write_atomic(directory / DIAGNOSIS_FILE, f"{line}\n".encode())
@@ -298,31 +298,6 @@ def _thread(target, *args) -> None:
 def _print(rank: int, line: str) -> None:
     sys.stdout.flush()
     print(f"[rank {rank}] {line}", file=sys.stderr, flush=True)
-
-
-def _write_files(directory: Path, where: Where, threads: str, mine: bool = True) -> None:
-    """``rank-R.json`` (where, and the whole recorder when it is this rank's) and
-    ``rank-R.txt`` (the stacks and the calls, for people)."""
-    calls = flight_recorder.snapshot() if mine else []
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        data = {"where": where.to_dict(), "calls": calls}
-        write_atomic(directory / f"rank-{where.rank}.json", json.dumps(data, indent=1).encode())
-        table = "\n".join(f"  {c['group']} #{c['seq']} {c['op']}{_note(c)}{_size(c)} "
-                          f"at {c['where']}: {c['state']}" for c in calls)
-        text = (f"rank {where.rank} ({where.node}): {where.kind}, at {where.at} in "
-                f"{where.function}\n\nlast calls:\n{table or '  (none)'}\n\nstacks:\n{threads}")
-        write_atomic(directory / f"rank-{where.rank}.txt", text.encode())
-    except OSError as exc:  # the line still goes out: it names what could not be written
-        _print(where.rank, f"warning: cannot write {directory}: {exc}")
-
-
-def _note(call: dict) -> str:
-    return f" ({call['note']})" if call.get("note") else ""
-
-
-def _size(call: dict) -> str:
-    return "" if call["nbytes"] is None else f" {call['nbytes']} B {call['dtype']}"
 
 
 def start(channel: SideChannel | None, run_dir: Path | None, timeout_s: float,
