@@ -64,7 +64,19 @@ def _submit(cluster, tmp_path: Path, launch: Launch, batch: Batch) -> int:
     # then dies in UCX's fatal error (process_vm_readv: No such process, SIGABRT) before it
     # can name the lost node (1 run in the CI of 2026-11-24). Real nodes fail over TCP/IB.
     env = {"PATH": path, "PYTHONPATH": str(REPO_ROOT), "UCX_TLS": "^cma"}
+    # The nodes' names map to loopback, so the launcher plans no interface before MPI_Init
+    # and UCX puts every interface of the host in its address: with the Docker networks of
+    # tests running beside this one, Slurm's pmi2 server misread that long binary value ("mpi/
+    # pmi2: invalid client request") and MPI_Init failed (CI of 2026-11-26; reproduced with 12
+    # extra veth interfaces). Real nodes get the planned interface (placement/network.py).
+    env["UCX_NET_DEVICES"] = _default_route_interface()
     return cluster.sbatch(script, cwd=tmp_path, env=env)
+
+
+def _default_route_interface() -> str:
+    route = subprocess.run(["ip", "-o", "route", "show", "default"], capture_output=True,
+                           text=True, check=True).stdout.split()
+    return route[route.index("dev") + 1]
 
 
 def _train_args(tmp_path: Path, *extra: str) -> tuple[str, ...]:
