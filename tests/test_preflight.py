@@ -19,6 +19,7 @@ import pytest
 
 from launcher.diagnostics.preflight import NodeRow, slow_nodes
 from launcher.group.rendezvous import free_port
+from tests.fixtures.cpu_groups import outweighing_group
 from tests.fixtures.mpi import REPO_ROOT, clean_environ
 
 
@@ -99,19 +100,24 @@ def test_preflight_flags_misused_are_a_user_error(args):
 
 @pytest.mark.docker
 def test_a_container_with_its_cpu_quota_cut_is_named(tmp_path, dockerd, request):
-    """The image's code is replaced by this tree's (a bind mount): no rebuild for a change."""
+    """The image's code is replaced by this tree's (a bind mount): no rebuild for a change.
+    The containers share a parent group that outweighs the rest of the machine
+    (tests.fixtures.cpu_groups): else, with the machine busy, the healthy ones are as slow."""
     image = "ddp:cpu"
     if subprocess.run(["docker", "image", "inspect", image], capture_output=True).returncode:
         image = request.getfixturevalue("cpu_image")
     tmp_path.chmod(0o777)  # the image runs as an unprivileged user
     network = f"ddp-preflight-{tmp_path.name}"[:60]
     names = [f"{network}-node{i}" for i in range(3)]
-    subprocess.run(["docker", "network", "create", network], check=True, capture_output=True)
-    try:
+    with outweighing_group(network) as parent, contextlib.ExitStack() as cleanup:
+        subprocess.run(["docker", "network", "create", network], check=True,
+                       capture_output=True)
+        cleanup.callback(_remove, network, names)
         for i, name in enumerate(names):
             quota = ["--cpus", "0.1"] if i == 2 else []
             subprocess.run(
-                ["docker", "run", "-d", *quota, "--name", name, "--hostname", f"node{i}",
+                ["docker", "run", "-d", *quota, "--cgroup-parent", f"/{parent.name}",
+                 "--name", name, "--hostname", f"node{i}",
                  "--network", network, "-v", f"{REPO_ROOT / 'launcher'}:/opt/ddp/src/launcher:ro",
                  "-v", f"{tmp_path}:/out", *[f"-e{k}={v}" for k, v in {
                      "RANK": i, "WORLD_SIZE": 3, "LOCAL_RANK": 0, "LOCAL_WORLD_SIZE": 1,
@@ -126,9 +132,9 @@ def test_a_container_with_its_cpu_quota_cut_is_named(tmp_path, dockerd, request)
                                text=True).stdout
         assert statuses == ["0", "0", "0"], table
         assert (tmp_path / "slow-nodes").read_text() == "node2\n", table
-    finally:
-        for name in names:
-            subprocess.run(["docker", "rm", "-f", name], capture_output=True)
-        with contextlib.suppress(subprocess.CalledProcessError):
-            subprocess.run(["docker", "network", "rm", network], check=True,
-                           capture_output=True)
+
+
+def _remove(network: str, containers: list[str]) -> None:
+    for name in containers:
+        subprocess.run(["docker", "rm", "-f", name], capture_output=True)
+    subprocess.run(["docker", "network", "rm", network], capture_output=True)

@@ -15,17 +15,16 @@ import signal
 import subprocess
 import sys
 import time
-from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import pytest
 
 from ddp_tasks.batch_script import Batch, batch_script
 from ddp_tasks.launch_spec import Launch
+from tests.fixtures.cpu_groups import join, outweighing_group
 from tests.fixtures.etc_hosts import loopback_names
 from tests.fixtures.left_behind import mapped_by_anyone
 from tests.fixtures.mpi import REPO_ROOT, json_objects
-from tests.fixtures.requirements import missing
 from tests.test_batch_endings import attempts
 
 #: small and quick, and still >= 0.95 test accuracy (epoch 3 reaches ~0.97); checkpoints
@@ -184,35 +183,19 @@ def test_the_job_continues_on_the_nodes_left(slurm_cluster3, tmp_path, shm_uncha
     assert "training mlp on digits: 2 rank(s)" in output
 
 
-@contextmanager
-def cpu_quota(pid: int, fraction: float):
-    """``pid`` and every process it starts inside hold ``fraction`` of one CPU (a cgroup v1
-    CPU quota): a node slowed on purpose."""
-    root = Path("/sys/fs/cgroup/cpu")
-    if not (root / "cpu.cfs_quota_us").exists():
-        missing("no cgroup v1 cpu controller at /sys/fs/cgroup/cpu to slow a node with")
-    group = root / f"ddp-test-slow-{os.getpid()}"
-    group.mkdir()
-    try:
-        (group / "cpu.cfs_quota_us").write_text(str(int(fraction * 100_000)))
-        (group / "cgroup.procs").write_text(str(pid))
-        yield
-    finally:
-        for member in (group / "cgroup.procs").read_text().split():
-            with suppress(OSError):  # gone meanwhile
-                (root / "cgroup.procs").write_text(member)
-        group.rmdir()
-
-
 @pytest.mark.slurm
 def test_preflight_leaves_a_slow_node_out(slurm_cluster3, tmp_path, shm_unchanged):
-    """n2 at a tenth of a CPU: the preflight of the first attempt names it, and the script
-    requeues the job without it. The requeued attempt is not waited for: on a loaded 2-core
-    machine the preflight may also name a healthy node (a link measured while others ran),
-    and with two nodes excluded the 2-node job would stay pending."""
+    """n2 at a tenth of a CPU (its slurmd's group, tests.fixtures.cpu_groups): the preflight
+    of the first attempt names it, and the script requeues the job without it. The requeued
+    attempt is not waited for: on a loaded 2-core machine the preflight may also name a
+    healthy node (a link measured while others ran), and with two nodes excluded the 2-node
+    job would stay pending."""
     launch = _train_on_two_nodes(tmp_path, "gloo")
     batch = _batch(tmp_path, "preflight", max_nodes=3, preflight=True)
-    with cpu_quota(slurm_cluster3.slurmd_pid("n2"), 0.1):
+    with outweighing_group(f"ddp-test-slow-{os.getpid()}") as nodes:
+        for node in ("n0", "n1", "n2"):
+            join(nodes / node, slurm_cluster3.slurmd_pid(node),
+                 cpus=0.1 if node == "n2" else None)
         job_id = _submit(slurm_cluster3, tmp_path, launch, batch)
         deadline = time.monotonic() + 180
         # the script logs, requeues, then sets the excluded nodes
