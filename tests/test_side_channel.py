@@ -6,12 +6,14 @@ exactly once, posts read on demand, beats heard only by the watchers.
 
 from __future__ import annotations
 
+import gc
 import threading
 from dataclasses import replace
 
 import pytest
 import torch.distributed as dist
 
+from launcher.faults.side_channel import ChannelGone
 from launcher.faults.side_store import StoreSideChannel
 from launcher.placement.env import detect_environment
 
@@ -75,3 +77,27 @@ def test_beats_reach_the_watchers_only(channels):
         if rank != 3:
             assert channel.exchange() == set(channel.watch.watched) - {3}, rank
         assert len(channel.watch.watched) == 2
+
+
+def test_a_store_gone_is_channel_gone_and_a_handlers_bug_is_not():
+    """Callers catch ChannelGone by name (the heartbeat, the hang watch, fail-fast): the store's
+    host ending must raise it from every call, and nothing else may."""
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    env = replace(detect_environment({}, hostname="sim"), rank=1, world_size=2, node_rank=1,
+                  hosts=("a", "b"), master_addr="127.0.0.1", master_port=server.port)
+    opened = []
+    other = threading.Thread(target=lambda: opened.append(StoreSideChannel(env, None)))
+    other.start()  # rank 1 waits for the nodes that rank 0 gathers
+    channel = StoreSideChannel(replace(env, rank=0, node_rank=0), None)
+    other.join()
+    channel.on("t.bug", lambda message: 1 / 0)
+    opened[0].send(0, "t.bug")
+    with pytest.raises(ZeroDivisionError):
+        channel.exchange()
+    del server  # its host ends
+    gc.collect()
+    for call in (channel.exchange, lambda: channel.send(1, "t.x"),
+                 lambda: channel.broadcast("t.x"), lambda: channel.post("t.x", b"")):
+        with pytest.raises(ChannelGone):
+            call()
+    channel.close()  # says nothing: there is nobody left to wait for

@@ -61,7 +61,7 @@ def past_hook(frame):
     """The first frame from ``frame`` (a hook's) outward that is torch's: where torch called the
     hook, whose caller ``caller`` then finds (``loss.backward()``'s line, launcher.train's
     included, not the hook's own). None in a thread of torch's own, which has no such frame."""
-    while frame is not None and (kinds.get(frame.f_code) or _kind(frame.f_code)) != 2:
+    while frame is not None and _kind(frame.f_code) != 2:
         frame = frame.f_back
     return frame
 

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from launcher.core.errors import EXIT_RANK_FAILED, EXIT_USER_ERROR, LaunchError
 from launcher.faults.heartbeat import Heartbeat
-from launcher.faults.side_channel import SideChannel
+from launcher.faults.side_channel import ChannelGone, SideChannel
 from launcher.faults.side_store import StoreSideChannel
 from launcher.placement.env import JobEnv
 
@@ -160,7 +160,7 @@ class Watchdog:
             try:
                 self.channel.broadcast(NOTICE_KIND, notice.encode())
                 _wait_until(lambda: self._acks >= self._env.world_size - 1)
-            except Exception:  # noqa: BLE001 - the channel is gone: the launcher must end the rest
+            except ChannelGone:  # the launcher must end the rest
                 pass
         return notice.status
 

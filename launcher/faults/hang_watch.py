@@ -45,7 +45,7 @@ from launcher.faults.hang_diagnosis import (
     Where,
     diagnose,
 )
-from launcher.faults.side_channel import SideChannel
+from launcher.faults.side_channel import ChannelGone, SideChannel
 
 #: how long rank 0 waits for the ranks' answers; one that has not answered by then cannot
 ANSWER_S = 5.0
@@ -286,7 +286,7 @@ def _sent(action: Callable, *args) -> bool:
     (with its verdict, or the heartbeats name it)."""
     try:
         action(*args)
-    except Exception:  # noqa: BLE001 - any failure means the same: the store is gone
+    except ChannelGone:
         return False
     return True
 

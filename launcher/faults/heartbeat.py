@@ -26,6 +26,7 @@ from launcher.core.errors import PeerLost
 from launcher.faults import hang_watch
 from launcher.faults.c10d_log import quiet_c10d
 from launcher.faults.hang_watch import HangWatch
+from launcher.faults.side_channel import ChannelGone
 from launcher.placement.env import JobEnv
 
 #: how often a rank sends its beats and reads the others'
@@ -77,7 +78,7 @@ class Heartbeat:
             try:
                 with quiet_c10d():  # a store that stops answering is reported, not logged
                     heard = self._beats.exchange()
-            except Exception:  # noqa: BLE001 - any failure means the same: the store is gone
+            except ChannelGone:
                 # from the call that failed, which may have waited for the store's timeout
                 self._cut_off = self._cut_off or self._calling
                 continue

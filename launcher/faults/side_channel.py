@@ -19,7 +19,7 @@ the same methods:
   inside one tree leaves the other one to carry it).
 
 Handlers (``on``) run on the channel's own thread (the heartbeat's thread over the store): they
-must return quickly.
+must return quickly. A call that cannot reach the others raises ``ChannelGone``.
 """
 
 from __future__ import annotations
@@ -47,6 +47,12 @@ class Message:
 
 
 Handler = Callable[[Message], None]
+
+
+class ChannelGone(Exception):
+    """A call on the side channel failed: its store's host ended or stopped answering, or the
+    MPI library reports a peer gone. Both transports raise only this, so that their callers
+    read it as "the others are out of reach" and a bug in a handler is never taken for it."""
 
 
 class SideChannel:

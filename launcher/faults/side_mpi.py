@@ -12,9 +12,18 @@ from __future__ import annotations
 
 import pickle
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from launcher.faults import watch
-from launcher.faults.side_channel import MPI_POLL_S, Message, Posts, SideChannel, forwards
+from launcher.faults.side_channel import (
+    MPI_POLL_S,
+    ChannelGone,
+    Message,
+    Posts,
+    SideChannel,
+    forwards,
+)
 from launcher.placement.env import JobEnv
 
 _BEAT, _MESSAGE = 11, 12
@@ -46,15 +55,24 @@ class MpiSideChannel(SideChannel):
 
     def exchange(self) -> set[int]:
         """Beat to the watchers; the watched ranks heard since the last call."""
-        for peer in self.watch.watchers:
-            if peer not in self._beats or self._beats[peer].Test():
-                self._beats[peer] = self._comm.isend(b"", dest=peer, tag=_BEAT)
+        with self._gone_on_error():
+            for peer in self.watch.watchers:
+                if peer not in self._beats or self._beats[peer].Test():
+                    self._beats[peer] = self._comm.isend(b"", dest=peer, tag=_BEAT)
         with self._heard_lock:
             heard, self._heard = self._heard, set()
         return heard
 
+    @contextmanager
+    def _gone_on_error(self) -> Iterator[None]:
+        """mpi4py raises MPI.Exception where the library returns an error (a peer gone)."""
+        try:
+            yield
+        except self._mpi.Exception as exc:
+            raise ChannelGone(str(exc)) from exc
+
     def _isend(self, dest: int, item: tuple) -> None:
-        with self._sends_lock:
+        with self._sends_lock, self._gone_on_error():
             self._sends = [request for request in self._sends if not request.Test()]
             self._sends.append(self._comm.isend(pickle.dumps(item), dest=dest, tag=_MESSAGE))
 

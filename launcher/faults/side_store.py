@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from launcher.faults import watch
 from launcher.faults.c10d_log import quiet_c10d
-from launcher.faults.side_channel import Message, SideChannel
+from launcher.faults.side_channel import ChannelGone, Message, SideChannel
 from launcher.placement.env import JobEnv
 
 _ROOT = "ddp/side"
@@ -99,18 +99,21 @@ class StoreSideChannel(SideChannel):
         self._count = 0
 
     def _call(self, method, *args):
-        """One store call under the lock; TimeoutError when another has held it CALL_S."""
+        """One store call under the lock; ChannelGone when it fails or another call has held
+        the lock CALL_S."""
         if not self._lock.acquire(timeout=CALL_S):
-            raise TimeoutError("the side channel's store does not answer")
+            raise ChannelGone("the side channel's store does not answer")
         try:
             with quiet_c10d():
                 return method(*args)
+        except (RuntimeError, OSError) as exc:  # torch's DistError; older releases' plain ones
+            raise ChannelGone(str(exc)) from exc
         finally:
             self._lock.release()
 
     def exchange(self) -> set[int]:
         """Beat; the watched ranks heard since the last call, and the messages that came
-        delivered. Raises when the store does not answer."""
+        delivered. ChannelGone when the store does not answer."""
         self._count += 1
         self._call(self._store.set, f"{_ROOT}/beat/{self.rank}", str(self._count))
         values = self._call(self._store.multi_get, self._reads)
@@ -152,5 +155,5 @@ class StoreSideChannel(SideChannel):
             while self.rank == 0 and time.monotonic() < deadline and \
                     self._call(self._store.add, closed, 0) < self.world_size:
                 time.sleep(0.01)
-        except (dist.DistError, TimeoutError):
+        except ChannelGone:
             pass
