@@ -14,10 +14,11 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 
 import pytest
 
-from launcher.diagnostics.preflight import NodeRow, slow_nodes
+from launcher.diagnostics.preflight import MAX_ROUNDS, NodeRow, link_rounds, slow_nodes
 from launcher.group.rendezvous import free_port
 from tests.fixtures.cpu_groups import outweighing_group
 from tests.fixtures.mpi import REPO_ROOT, clean_environ
@@ -48,6 +49,25 @@ def test_naming_rule(rows, expected):
     assert set(slow) == expected
     for reason in slow.values():
         assert "0.5x median" in reason
+
+
+@pytest.mark.parametrize("count", [*range(1, 12), 100, 999, 1000, 100_000])
+def test_link_rounds_are_few_disjoint_and_reach_every_node(count):
+    """At most MAX_ROUNDS rounds whatever the size; within a round no node measures twice;
+    every node has the ring's two links from 3 nodes on (one with 2), none a pair twice."""
+    rounds = link_rounds(count)
+    assert len(rounds) <= MAX_ROUNDS
+    links = Counter()
+    for pairs in rounds:
+        nodes = [node for pair in pairs for node in pair]
+        assert len(nodes) == len(set(nodes))
+        links.update(nodes)
+    assert sum(len(pairs) for pairs in rounds) == len({p for r in rounds for p in r})
+    assert all(links[node] >= min(2, count - 1) for node in range(count))
+    assert all(links[node] <= 3 for node in range(count))
+    ring = {tuple(sorted((i, (i + 1) % count))) for i in range(count) if count > 1}
+    assert ring <= {pair for pairs in rounds for pair in pairs}
+    assert link_rounds(count) == rounds  # every rank draws the same shuffle
 
 
 def _throttle(process: subprocess.Popen, stop: threading.Event) -> None:
