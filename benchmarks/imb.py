@@ -30,7 +30,8 @@ from benchmarks.units import human
 
 #: 4 KiB to 64 MiB, the sizes of benchmarks/allreduce.py
 MSGLOG = "12:26"
-ITERATIONS = "100"
+#: IMB's calls per size: fixed, not IMB's own policy, so that every size is measured alike
+ITERATIONS = 100
 #: IMB's seconds per size (default 10): on a loaded machine the 64 MiB row's 100 calls took
 #: longer, and IMB left the row out
 TIME_LIMIT = "600"
@@ -38,9 +39,9 @@ TIMEOUT = 600
 
 
 def imb_argv(prefix: str, ranks: int, hosts: list[str] | None = None,
-             ssh: str = "ssh") -> list[str]:
-    """Intel MPI's mpiexec running IMB-MPI1 Allreduce; across HOSTS one rank each, started
-    with SSH (a command that takes ssh's arguments)."""
+             ssh: str = "ssh", iterations: int = ITERATIONS) -> list[str]:
+    """Intel MPI's mpiexec running IMB-MPI1 Allreduce, ITERATIONS calls per size; across
+    HOSTS one rank each, started with SSH (a command that takes ssh's arguments)."""
     where = (["-bootstrap", "ssh", "-bootstrap-exec", ssh, "-hosts", ",".join(hosts), "-ppn",
               "1"] if hosts else ["-bootstrap", "fork"])
     fabric = "ofi" if hosts else "shm"
@@ -48,7 +49,7 @@ def imb_argv(prefix: str, ranks: int, hosts: list[str] | None = None,
             "-genv", "LD_LIBRARY_PATH", f"{prefix}/lib", "-genv", "I_MPI_FABRICS", fabric,
             "-genv", "FI_PROVIDER", "tcp",
             f"{prefix}/bin/IMB-MPI1", "Allreduce", "-msglog", MSGLOG, "-iter_policy", "off",
-            "-iter", ITERATIONS, "-time", TIME_LIMIT]
+            "-iter", str(iterations), "-time", TIME_LIMIT]
 
 
 def parse(output: str) -> dict[int, float]:
@@ -111,6 +112,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prefix", required=True, help="where impi-rt is installed (--prefix)")
     parser.add_argument("--rounds", type=int, default=3, help="jobs of each, taking turns")
+    parser.add_argument("--iterations", type=int, default=ITERATIONS,
+                        help="IMB's calls per size")
     parser.add_argument("--allreduce-args", default="",
                         help="more arguments for benchmarks/allreduce.py, e.g. '--seconds 0.2'")
     parser.add_argument("--json", type=Path, help="write the rows here")
@@ -128,7 +131,8 @@ def main() -> int:
             return json.loads(out.read_text())
 
         def run_imb() -> dict[int, float]:
-            return parse(subprocess.run(imb_argv(args.prefix, 2), env=env, check=True,
+            argv = imb_argv(args.prefix, 2, iterations=args.iterations)
+            return parse(subprocess.run(argv, env=env, check=True,
                                         capture_output=True, text=True, timeout=TIMEOUT).stdout)
 
         _, rows = alternate(run_allreduce, run_imb, args.rounds)

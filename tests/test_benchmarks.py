@@ -116,7 +116,8 @@ def test_imb_takes_turns_with_the_allreduce_benchmark(impi_prefix, tmp_path):
     out = tmp_path / "imb.json"
     result = subprocess.run(
         [sys.executable, "-m", "benchmarks.imb", "--prefix", str(impi_prefix), "--rounds", "2",
-         "--allreduce-args", "--seconds 0.02 --rounds 1 --busy-calls 20", "--json", str(out)],
+         "--iterations", "5", "--allreduce-args", "--seconds 0.02 --rounds 1 --busy-calls 20",
+         "--json", str(out)],
         cwd=REPO_ROOT, env=clean_environ(), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     rows = json.loads(out.read_text())["rows"]
