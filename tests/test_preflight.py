@@ -1,26 +1,26 @@
 """``python -m launcher.check --preflight``: the naming rule on figures, and a slowed node for real.
 
 For real, twice: 3 ranks as 3 nodes (torchrun's variables with GROUP_RANK, node names from
-DDP_HOSTS), one of them held to a tenth of a CPU at most by stopping it 9 ms in every 10
-(SIGSTOP/SIGCONT); and 3 containers on a Docker network, one with its CPU quota cut to 0.1
-(``docker run --cpus 0.1``). The slowed node must be the one named, in the file rank 0 writes.
+DDP_HOSTS), one of them held to a tenth of a CPU (a cgroup quota); and 3 containers on a Docker
+network, one with its CPU quota cut to 0.1 (``docker run --cpus 0.1``). Both under a parent
+cgroup that outweighs the rest of the machine (``tests.fixtures.cpu_groups``). The slowed node
+must be the one named, in the file rank 0 writes. (Stopping a rank 9 ms in every 10 with
+SIGSTOP did not slow it enough while a test beside held such a parent group: the stopping
+thread, outside it, woke too late.)
 """
 
 from __future__ import annotations
 
 import contextlib
-import signal
 import subprocess
 import sys
-import threading
-import time
 from collections import Counter
 
 import pytest
 
 from launcher.diagnostics.preflight import MAX_ROUNDS, NodeRow, link_rounds, slow_nodes
 from launcher.group.rendezvous import free_port
-from tests.fixtures.cpu_groups import outweighing_group
+from tests.fixtures.cpu_groups import join, outweighing_group
 from tests.fixtures.mpi import REPO_ROOT, clean_environ
 
 
@@ -70,38 +70,25 @@ def test_link_rounds_are_few_disjoint_and_reach_every_node(count):
     assert link_rounds(count) == rounds  # every rank draws the same shuffle
 
 
-def _throttle(process: subprocess.Popen, stop: threading.Event) -> None:
-    while not stop.is_set() and process.poll() is None:
-        process.send_signal(signal.SIGSTOP)
-        time.sleep(0.009)
-        process.send_signal(signal.SIGCONT)
-        time.sleep(0.001)
-    if process.poll() is None:
-        process.send_signal(signal.SIGCONT)
-
-
 def test_a_slowed_node_is_named(tmp_path):
     port, world, slow = free_port(), 3, 2
     out = tmp_path / "slow-nodes"
-    ranks = [subprocess.Popen(
-        [sys.executable, "-m", "launcher.check", "--preflight", "--slow-nodes", str(out),
-         "--backend", "gloo", "--timeout", "60"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT,
-        env=clean_environ({
-            "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": "0",
-            "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port), "DDP_HOSTS": "n0,n1,n2", "OMP_NUM_THREADS": "1",
-        })) for rank in range(world)]
-    stop = threading.Event()
-    throttle = threading.Thread(target=_throttle, args=(ranks[slow], stop), daemon=True)
-    throttle.start()
-    try:
+    with outweighing_group(f"ddp-preflight-{tmp_path.name}") as nodes, \
+            contextlib.ExitStack() as stack:
+        ranks = []
+        for rank in range(world):
+            ranks.append(process := subprocess.Popen(
+                [sys.executable, "-m", "launcher.check", "--preflight", "--slow-nodes", str(out),
+                 "--backend", "gloo", "--timeout", "60"],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT,
+                env=clean_environ({
+                    "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": "0",
+                    "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
+                    "MASTER_PORT": str(port), "DDP_HOSTS": "n0,n1,n2", "OMP_NUM_THREADS": "1",
+                })))
+            stack.callback(process.kill)
+            join(nodes / f"n{rank}", process.pid, cpus=0.1 if rank == slow else None)
         outputs = [process.communicate(timeout=240) for process in ranks]
-    finally:
-        stop.set()
-        throttle.join()
-        for process in ranks:
-            process.kill()
     for process, (_, stderr) in zip(ranks, outputs, strict=True):
         assert process.returncode == 0, stderr
     table = outputs[0][0]
