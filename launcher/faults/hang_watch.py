@@ -49,6 +49,9 @@ from launcher.faults.side_channel import ChannelGone, SideChannel
 
 #: how long rank 0 waits for the ranks' answers; one that has not answered by then cannot
 ANSWER_S = 5.0
+#: how long a rank that did not answer is given to fall silent: the heartbeat's SILENT_S and
+#: two beats (``launcher.faults.heartbeat``, which imports this module; a test ties the two)
+SILENT_WAIT_S = 7.0
 #: how long the ranks take to print the line before rank 0 ends (and with MPI, ends the job)
 ACK_S = 5.0
 #: how long a rank that asked waits for rank 0's answer before its own report goes on: QUICK_S
@@ -223,8 +226,8 @@ class HangWatch:
         self._channel.broadcast("hang.where?", json.dumps(asked).encode())
         self._answer(json.dumps(asked).encode())
         answers = self._answers()
-        if {r for r, a in answers.items() if a is None} & set(self._silent()) - set(self._ended):
-            return None, directory  # it stopped while asked: the heartbeats report it
+        if self._fall_silent({r for r, a in answers.items() if a is None} - set(self._ended)):
+            return None, directory  # it stopped or died while asked: the heartbeats report it
         wheres = []
         for rank, said in sorted(answers.items()):
             if said is not None:
@@ -241,6 +244,20 @@ class HangWatch:
         if line is not None:
             write_atomic(directory / DIAGNOSIS_FILE, f"{line}\n".encode())
         return line, directory
+
+    def _fall_silent(self, unanswered: set[int]) -> bool:
+        """Whether one of ``unanswered`` is, or within SILENT_WAIT_S becomes, silent to the
+        heartbeats. A rank killed just before the question still counts as beating for up to
+        SILENT_S; its lost node is the heartbeats' to report (exit 3, requeued without it),
+        not a hang of the script (exit 4)."""
+        deadline = time.monotonic() + SILENT_WAIT_S
+        while unanswered:
+            if unanswered & set(self._silent()):
+                return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.5)
+        return False
 
     def _answers(self) -> dict[int, dict | None]:
         """Every rank's answer of this round, None for each one not in within ANSWER_S (a
