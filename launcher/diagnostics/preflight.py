@@ -114,16 +114,17 @@ def measure_links(rank: int, leaders: dict[str, int],
         for i, j in pairs:
             a, b = leaders[nodes[i]], leaders[nodes[j]]
             if rank in (a, b):
-                links[(nodes[i], nodes[j])] = _bounce(rank, b if rank == a else a,
-                                                      rank == a, payload)
+                links[(nodes[i], nodes[j])] = _bounce(b if rank == a else a, rank == a,
+                                                      payload)
     return links
 
 
-def _bounce(rank: int, peer: int, first: bool, payload: torch.Tensor) -> float:
-    """GB/s of the fastest of ``_LINK_TRIPS`` round trips of ``payload`` between ``rank`` and
-    ``peer``. The fastest, not the mean: a link that is slow (a lower speed negotiated, the
-    wrong interface or route) is slow on every trip, while a trip slowed by what else ran on
-    either node then, or by the far end's CPU, says nothing of the link."""
+def _bounce(peer: int, first: bool, payload: torch.Tensor) -> float:
+    """GB/s of the fastest of ``_LINK_TRIPS`` round trips of ``payload`` between this rank and
+    ``peer`` (``first``: this rank sends first). The fastest, not the mean: a link that is
+    slow (a lower speed negotiated, the wrong interface or route) is slow on every trip, while
+    a trip slowed by what else ran on either node then, or by the far end's CPU, says nothing
+    of the link."""
     fastest = float("inf")
     for _ in range(_LINK_TRIPS):
         start = time.perf_counter()
