@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 
 import pytest
 
@@ -55,6 +56,9 @@ class _Beats:
     def exchange(self) -> set[int]:
         return self.alive
 
+    def leave(self) -> None:
+        pass
+
 
 def test_heartbeat_names_the_silent_ranks_nodes(monkeypatch):
     monkeypatch.setattr(heartbeat, "SILENT_S", 0.5)
@@ -69,6 +73,32 @@ def test_heartbeat_names_the_silent_ranks_nodes(monkeypatch):
     assert isinstance(lost, PeerLost)
     assert lost.nodes == ("n2",)
     assert "no heartbeat for 0 s from rank 2 (n2)" in lost.message, lost.message
+
+
+def test_a_survivor_names_every_rank_of_a_lost_node_not_the_first_found(monkeypatch):
+    """Rank 1 finds its watched rank 2 silent; rank 3, on the same lost node, is told by its
+    own watcher two beats later: the survivor waits for that word and names both."""
+    monkeypatch.setattr(heartbeat, "SILENT_S", 0.5)
+    monkeypatch.setattr(heartbeat, "BEAT_S", 0.05)
+    env = dataclasses.replace(detect_environment({}, hostname="box"), rank=1, world_size=4)
+    beats = _Beats({0, 1})
+    beats.nodes = ["n0", "n1", "n2", "n2"]
+    beat = heartbeat.Heartbeat(env, beats)
+
+    def told_later() -> None:
+        while beat.silent() != [2]:
+            time.sleep(0.01)
+        time.sleep(2 * heartbeat.BEAT_S)
+        beat._hear_silent(types.SimpleNamespace(payload=b"[3]"))
+
+    teller = threading.Thread(target=told_later, daemon=True)
+    teller.start()
+    try:
+        silent = beat.settle()
+    finally:
+        teller.join(timeout=5)
+        beat.close()
+    assert silent == [2, 3]
 
 
 class _StoppedStore(_Beats):

@@ -79,6 +79,24 @@ def test_beats_reach_the_watchers_only(channels):
         assert len(channel.watch.watched) == 2
 
 
+def test_a_rank_that_left_stays_heard_and_one_that_stopped_does_not(channels):
+    """Rank 3 leaves the job (it ends: a lost peer reported, a script done) and beats no more;
+    rank 5 just stops beating (killed). Their watchers keep hearing rank 3, not rank 5: a
+    survivor names the killed rank alone, not the ranks that ended after it."""
+    for channel in channels:
+        channel.exchange()
+    channels[3].leave()
+    channels[3].exchange()  # a beat under way as it leaves does not undo it
+    for _ in range(2):
+        for rank, channel in enumerate(channels):
+            if rank not in (3, 5):
+                channel.exchange()
+    watchers = [rank for rank, channel in enumerate(channels) if 3 in channel.watch.watched]
+    assert watchers and all(3 in channels[rank].exchange() for rank in watchers if rank != 5)
+    assert all(5 not in channel.exchange() for rank, channel in enumerate(channels)
+               if rank not in (3, 5))
+
+
 def test_a_store_gone_is_channel_gone_and_a_handlers_bug_is_not():
     """Callers catch ChannelGone by name (the heartbeat, the hang watch, fail-fast): the store's
     host ending must raise it from every call, and nothing else may."""

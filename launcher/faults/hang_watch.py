@@ -49,9 +49,6 @@ from launcher.faults.side_channel import ChannelGone, SideChannel
 
 #: how long rank 0 waits for the ranks' answers; one that has not answered by then cannot
 ANSWER_S = 5.0
-#: how long a rank that did not answer is given to fall silent: the heartbeat's SILENT_S and
-#: two beats (``launcher.faults.heartbeat``, which imports this module; a test ties the two)
-SILENT_WAIT_S = 7.0
 #: how long the ranks take to print the line before rank 0 ends (and with MPI, ends the job)
 ACK_S = 5.0
 #: how long a rank that asked waits for rank 0's answer before its own report goes on: QUICK_S
@@ -70,11 +67,14 @@ class HangWatch:
     """This rank's part: answering where it is; on rank 0, deciding."""
 
     def __init__(self, channel, run_dir: Path | None, timeout_s: float,
-                 silent: Callable[[], list[int]], end: Callable[[int], None]):
+                 silent: Callable[[], list[int]], end: Callable[[int], None],
+                 silent_wait_s: float):
         self._channel = channel
         #: the ranks the heartbeats find silent; how this process ends (both passed in: the
         #: heartbeats and fail-fast ask here)
         self._silent, self._end = silent, end
+        #: how long a rank that does not answer is given to be found silent
+        self._silent_wait_s = silent_wait_s
         self.rank = channel.rank
         self._run_dir = run_dir
         self._timeout_s = timeout_s
@@ -246,11 +246,11 @@ class HangWatch:
         return line, directory
 
     def _fall_silent(self, unanswered: set[int]) -> bool:
-        """Whether one of ``unanswered`` is, or within SILENT_WAIT_S becomes, silent to the
+        """Whether one of ``unanswered`` is, or within ``silent_wait_s`` becomes, silent to the
         heartbeats. A rank killed just before the question still counts as beating for up to
         SILENT_S; its lost node is the heartbeats' to report (exit 3, requeued without it),
         not a hang of the script (exit 4)."""
-        deadline = time.monotonic() + SILENT_WAIT_S
+        deadline = time.monotonic() + self._silent_wait_s
         while unanswered:
             if unanswered & set(self._silent()):
                 return True
@@ -318,8 +318,10 @@ def _print(rank: int, line: str) -> None:
 
 
 def start(channel: SideChannel | None, run_dir: Path | None, timeout_s: float,
-          silent: Callable[[], list[int]], end: Callable[[int], None]) -> HangWatch | None:
+          silent: Callable[[], list[int]], end: Callable[[int], None],
+          silent_wait_s: float) -> HangWatch | None:
     """Watch for hangs over ``channel``, this process's side channel (none: not distributed).
-    ``silent``: the ranks the heartbeats find silent; ``end``: how to end this process with a
-    status."""
-    return None if channel is None else HangWatch(channel, run_dir, timeout_s, silent, end)
+    ``silent``: the ranks the heartbeats find silent, a rank that stopped answering within
+    ``silent_wait_s``; ``end``: how to end this process with a status."""
+    return None if channel is None else HangWatch(channel, run_dir, timeout_s, silent, end,
+                                                  silent_wait_s)

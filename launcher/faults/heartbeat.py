@@ -34,6 +34,12 @@ BEAT_S = 1.0
 #: a rank not heard for this long is silent: several beats, since a busy interpreter (a long
 #: call holding the GIL) delays one now and then
 SILENT_S = 5.0
+#: how many beats without news of another silent rank before a survivor names them: the
+#: ranks of a lost node are found by different watchers up to two beats apart, told a beat later
+QUIET_BEATS = 3
+#: how long a rank that stopped answering may take to be found silent and told: the hang
+#: watch waits this long before it calls such a rank a hang (``launcher.faults.hang_watch``)
+FOUND_SILENT_S = SILENT_S + 2 * BEAT_S
 #: a wait whose peers all still beat goes on up to this many times its timeout; past that the
 #: ranks are alive but not meeting (collectives called in a different order)
 BUSY_LIMIT = 10
@@ -59,6 +65,8 @@ class Heartbeat:
         self._heard = dict.fromkeys(beats.watch.watched, now)
         #: the ranks found silent by their watchers: this rank's own finds and those told
         self._told: set[int] = set()
+        #: when the last of them was found or told
+        self._told_at = -float("inf")
         #: since when the store does not answer (None: it does, or there is none)
         self._cut_off: float | None = None
         #: when the exchange under way began: a stopped store host never answers, not even
@@ -70,7 +78,12 @@ class Heartbeat:
         self._thread.start()
 
     def _hear_silent(self, message) -> None:
-        self._told.update(json.loads(message.payload))
+        self._note_told(json.loads(message.payload))
+
+    def _note_told(self, ranks: list[int]) -> None:
+        if set(ranks) - self._told:
+            self._told.update(ranks)
+            self._told_at = time.monotonic()
 
     def _beat(self) -> None:
         while not self._stop.wait(BEAT_S):
@@ -93,7 +106,7 @@ class Heartbeat:
         found = [rank for rank, heard in self._heard.items()
                  if now - heard > SILENT_S and rank not in self._told]
         if found:
-            self._told.update(found)
+            self._note_told(found)
             with contextlib.suppress(Exception):  # the survivors still see what they watch
                 self._beats.broadcast(SILENT_KIND, json.dumps(found).encode())
 
@@ -116,13 +129,25 @@ class Heartbeat:
         return self._cut_off
 
     def settle(self) -> list[int]:
-        """The silent ranks, waiting up to SILENT_S + 4 beats for one to show: just after a
-        failure the lost peer has not been silent for long yet, and its watchers' word takes
-        a beat or two more (the watcher's next beat, the others' next read)."""
-        deadline = time.monotonic() + SILENT_S + 4 * BEAT_S
-        while not (silent := self.silent()) and time.monotonic() < deadline:
+        """The silent ranks once no new one was found for QUIET_BEATS beats, waiting up to
+        SILENT_S + 4 beats for the first: just after a failure the lost peer has not been
+        silent for long yet, and its watchers' word takes a beat or two more (the watcher's
+        next beat, the others' next read). The other ranks of a lost node are found by other
+        watchers within a beat or two of the first: a survivor names them all."""
+        quiet_s = QUIET_BEATS * BEAT_S
+        deadline = time.monotonic() + SILENT_S + 4 * BEAT_S + quiet_s
+        seen, changed = self.silent(), -float("inf")
+        while True:
+            silent, now = self.silent(), time.monotonic()
+            if silent != seen:
+                seen, changed = silent, now
+            # found by this rank's own clock and not yet told: its watchers' news is still due
+            news = now if set(silent) - self._told else max(changed, self._told_at)
+            if silent and (now - news >= quiet_s or self._stalled() is not None):
+                return silent  # a stalled store carries no more news
+            if now > deadline:
+                return silent
             time.sleep(0.1)
-        return silent
 
     def lost(self, what: str, silent: list[int]) -> PeerLost:
         """``what`` went wrong (a sentence naming this rank), explained by ``silent``."""
@@ -136,8 +161,14 @@ class Heartbeat:
         return PeerLost(f"{what}: no heartbeat for {SILENT_S:.0f} s from {names}", HINT,
                         nodes=tuple(dict.fromkeys(self.nodes[rank] for rank in silent)))
 
-    def close(self) -> None:
+    def leave(self) -> None:
+        """This rank leaves the job (it ends, for whatever reason): no more beats, and its
+        watchers told that it left, so that no survivor names it as silent, a lost node."""
         self._stop.set()
+        self._beats.leave()
+
+    def close(self) -> None:
+        self.leave()
         self._thread.join(timeout=2 * SILENT_S)
 
 

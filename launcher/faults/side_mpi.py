@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pickle
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -26,7 +27,9 @@ from launcher.faults.side_channel import (
 )
 from launcher.placement.env import JobEnv
 
-_BEAT, _MESSAGE = 11, 12
+_BEAT, _MESSAGE, _LEFT = 11, 12, 13
+#: how long a rank that leaves waits for its watchers to take its last word
+LEAVE_S = 1.0
 #: the channel's own kinds: a read of a post, and its answer
 _READ, _ANSWER = "ddp.read", "ddp.answer"
 
@@ -43,6 +46,8 @@ class MpiSideChannel(SideChannel):
         self.watch = watch.watch(self.nodes, env.rank)
         self._beats: dict[int, object] = {}
         self._heard: set[int] = set()
+        #: the watched ranks that left the job (``leave``): heard from, whatever comes
+        self._left: set[int] = set()
         self._heard_lock = threading.Lock()
         self._sends: list = []
         self._sends_lock = threading.Lock()
@@ -61,7 +66,20 @@ class MpiSideChannel(SideChannel):
                     self._beats[peer] = self._comm.isend(b"", dest=peer, tag=_BEAT)
         with self._heard_lock:
             heard, self._heard = self._heard, set()
-        return heard
+            return heard | self._left
+
+    def leave(self) -> None:
+        """This rank leaves the job: its watchers count it as heard from now on (it ended, it
+        is not lost). Best effort, within about LEAVE_S."""
+        try:
+            with self._gone_on_error():
+                requests = [self._comm.isend(b"", dest=peer, tag=_LEFT)
+                            for peer in self.watch.watchers]
+                deadline = time.monotonic() + LEAVE_S
+                while not self._mpi.Request.Testall(requests) and time.monotonic() < deadline:
+                    time.sleep(0.01)
+        except ChannelGone:
+            pass
 
     @contextmanager
     def _gone_on_error(self) -> Iterator[None]:
@@ -107,9 +125,9 @@ class MpiSideChannel(SideChannel):
                                     status=status):
                 source, tag = status.Get_source(), status.Get_tag()
                 data = self._comm.recv(source=source, tag=tag)
-                if tag == _BEAT:
+                if tag in (_BEAT, _LEFT):
                     with self._heard_lock:
-                        self._heard.add(source)
+                        (self._heard if tag == _BEAT else self._left).add(source)
                 elif tag == _MESSAGE:
                     self._receive(pickle.loads(data))
 

@@ -31,6 +31,9 @@ CALL_S = 5.0
 START_S = 300.0
 #: how long the store's host waits at the end for the others to let go of it
 CLOSE_S = 5.0
+#: what a rank that leaves the job writes as its beat (``leave``), and how long it tries
+LEFT = b"left"
+LEAVE_S = 1.0
 
 
 def _frame(source: int, kind: str, payload: bytes) -> bytes:
@@ -97,6 +100,7 @@ class StoreSideChannel(SideChannel):
         self._seen: list[bytes] = [b""] * len(self.watch.watched)
         self._offsets = [0, 0]
         self._count = 0
+        self._left = False
 
     def _call(self, method, *args):
         """One store call under the lock; ChannelGone when it fails or another call has held
@@ -115,11 +119,13 @@ class StoreSideChannel(SideChannel):
         """Beat; the watched ranks heard since the last call, and the messages that came
         delivered. ChannelGone when the store does not answer."""
         self._count += 1
-        self._call(self._store.set, f"{_ROOT}/beat/{self.rank}", str(self._count))
+        # decided under the store's lock: a beat never overwrites ``leave``'s mark
+        self._call(lambda: self._store.set(f"{_ROOT}/beat/{self.rank}",
+                                           LEFT if self._left else str(self._count)))
         values = self._call(self._store.multi_get, self._reads)
         beats = values[:-2]
         heard = {rank for rank, value, seen in zip(self.watch.watched, beats, self._seen,
-                                                  strict=True) if value != seen}
+                                                  strict=True) if value != seen or value == LEFT}
         self._seen = beats
         for index, data in enumerate(values[-2:]):
             messages, self._offsets[index] = _unframe(data, self._offsets[index])
@@ -127,6 +133,21 @@ class StoreSideChannel(SideChannel):
                 if message.source != self.rank:  # this rank's own broadcasts
                     self._deliver(message)
         return heard
+
+    def leave(self) -> None:
+        """This rank leaves the job: its watchers count it as heard from now on (it ended, it
+        is not lost). Best effort, within about LEAVE_S: the store may be gone."""
+        self._left = True
+        if not self._lock.acquire(timeout=LEAVE_S):
+            return
+        try:
+            with quiet_c10d():
+                self._store.set_timeout(timedelta(seconds=LEAVE_S))
+                self._store.set(f"{_ROOT}/beat/{self.rank}", LEFT)
+        except (RuntimeError, OSError):
+            pass
+        finally:
+            self._lock.release()
 
     def send(self, dest: int, kind: str, payload: bytes = b"") -> None:
         self._call(self._store.append, f"{_ROOT}/box/{dest}", _frame(self.rank, kind, payload))

@@ -106,7 +106,8 @@ def process_group(
     beat = watchdog.heartbeat
     flight_recorder.install()
     watch = hang_watch.start(watchdog.channel, run_dir, timeout_s,
-                             beat.silent if beat is not None else list, failfast.end_process)
+                             beat.silent if beat is not None else list, failfast.end_process,
+                             heartbeat.FOUND_SILENT_S)
     heartbeat.watch_waits(beat, watch)
     healthy = True
     failure: BaseException | None = None
@@ -126,7 +127,10 @@ def process_group(
         raise RankFailed(watchdog.fail(exc)) from None
     finally:
         # a lost or failed peer may hold up an orderly tear-down: the caller ends the process
-        # instead (launcher.core.errors.report_and_exit, launcher.faults.failfast.end_process)
+        # instead (launcher.core.errors.report_and_exit, launcher.faults.failfast.end_process);
+        # its watchers are told it left, so that no survivor names it as a lost node
+        if not healthy and beat is not None:
+            beat.leave()
         if healthy:
             if watch is not None:
                 watch.ended()  # for ranks that may still wait for this one
