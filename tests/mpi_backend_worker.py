@@ -241,8 +241,9 @@ def tolerance(dtype: torch.dtype, reducing: bool) -> dict:
     return {"rtol": 8 * eps, "atol": 8 * eps}
 
 
-def run_case(name: str, fn, groups, dtype, shape, nc) -> str | None:
-    """Run ``fn`` on gloo and mpi4py with the same inputs; None if they agree.
+def run_case(name: str, fn, groups, names, dtype, shape, nc) -> list[str]:
+    """Run ``fn`` on gloo and on each of ``names`` (the mpi backends) with the same inputs;
+    what disagrees, none if all agree.
 
     gloo always gets contiguous tensors: it rejects some non-contiguous ones and silently
     reduces the wrong elements of others (all_reduce, broadcast, scatter in torch 2.13).
@@ -251,27 +252,33 @@ def run_case(name: str, fn, groups, dtype, shape, nc) -> str | None:
     proxy = GLOO_PROXY.get(dtype, dtype)
     expected = [t.to(dtype) for t in fn(groups["gloo"], proxy, shape, False,
                                          torch.Generator().manual_seed(seed))]
-    got = fn(groups[MPI_NAME], dtype, shape, nc, torch.Generator().manual_seed(seed))
-    try:
-        assert len(got) == len(expected)
-        for a, b in zip(got, expected, strict=True):
-            assert a.dtype == b.dtype and a.shape == b.shape, (a.dtype, a.shape, b.dtype, b.shape)
-            torch.testing.assert_close(a, b, equal_nan=True,
-                                       **tolerance(dtype, name.startswith("reduce")
-                                                   or name.startswith("all_reduce")))
-    except AssertionError as error:
-        return f"{name} {dtype} shape={shape} noncontig={nc}: {str(error)[:300]}"
-    return None
+    failures = []
+    for backend in names:
+        got = fn(groups[backend], dtype, shape, nc, torch.Generator().manual_seed(seed))
+        try:
+            assert len(got) == len(expected)
+            for a, b in zip(got, expected, strict=True):
+                assert a.dtype == b.dtype and a.shape == b.shape, (a.dtype, a.shape, b.dtype,
+                                                                   b.shape)
+                torch.testing.assert_close(a, b, equal_nan=True,
+                                           **tolerance(dtype, name.startswith("reduce")
+                                                       or name.startswith("all_reduce")))
+        except AssertionError as error:
+            failures.append(f"{backend} {name} {dtype} shape={shape} noncontig={nc}: "
+                            f"{str(error)[:300]}")
+    return failures
 
 
 def scenario_compare() -> None:
-    """Every op and dtype on gloo and mpi4py groups in the same processes; mpi4py group made
-    by new_group when gloo is the default (argv[2] == 'gloo-default'), else the other way."""
-    default = "gloo" if sys.argv[2] == "gloo-default" else MPI_NAME
-    other = MPI_NAME if default == "gloo" else "gloo"
+    """Every op and dtype on gloo and on each implementation of the mpi backend
+    (``DDP_TEST_IMPLS``, e.g. ``python,cxx``) in the same processes, one gloo reference for
+    all: the first implementation's group is the default one unless argv[2] is
+    'gloo-default'; the others are made by new_group."""
+    names = [mpi_cxx.choose(impl).name for impl in os.environ["DDP_TEST_IMPLS"].split(",")]
+    default = "gloo" if sys.argv[2] == "gloo-default" else names[0]
     init_default(default, shared_store=True)
-    groups = {default: dist.group.WORLD,
-              other: dist.new_group(backend=other, timeout=TIMEOUT)}
+    groups = {backend: dist.group.WORLD if backend == default else
+              dist.new_group(backend=backend, timeout=TIMEOUT) for backend in ["gloo", *names]}
     moves, reductions = make_ops()
     cases, failures = 0, []
     for dtype in DTYPES:
@@ -280,27 +287,34 @@ def scenario_compare() -> None:
             for name, fn in moves.items():
                 if name == "send_recv" and shape == (0,):
                     continue  # gloo's receive from any source fails on empty tensors
-                failures.append(run_case(name, fn, groups, dtype, shape, nc))
+                failures += run_case(name, fn, groups, names, dtype, shape, nc)
                 cases += 1
             for name, make in reductions.items():
                 for op in reduce_ops(dtype):
-                    failures.append(run_case(f"{name}/{op}", make(op), groups, dtype, shape, nc))
+                    failures += run_case(f"{name}/{op}", make(op), groups, names, dtype, shape,
+                                         nc)
                     cases += 1
     for group in groups.values():
         dist.barrier(group=group)
-    objects = [None] * SIZE
-    dist.all_gather_object(objects, {"rank": RANK}, group=groups[MPI_NAME])
-    box = [{"from": 0}] if RANK == 0 else [None]
-    dist.broadcast_object_list(box, src=0, group=groups[MPI_NAME])
-    if objects != [{"rank": r} for r in range(SIZE)] or box != [{"from": 0}]:
-        failures.append(f"object collectives: {objects} {box}")
-    functional = funcol.all_reduce(torch.full((3,), float(RANK)), "sum", groups[MPI_NAME])
-    if not torch.equal(functional.wait(), torch.full((3,), float(sum(range(SIZE))))):
-        failures.append(f"functional all_reduce: {functional}")
-    failures = [f for f in failures if f]
-    emit(cases=cases, failures=failures[:20], failed=len(failures))
+    for backend in names:
+        failures += _object_and_functional_collectives(groups[backend], backend)
+    emit(cases=cases, impls=names, failures=failures[:20], failed=len(failures))
     dist.destroy_process_group()
     sys.exit(1 if failures else 0)
+
+
+def _object_and_functional_collectives(group, backend: str) -> list[str]:
+    objects = [None] * SIZE
+    dist.all_gather_object(objects, {"rank": RANK}, group=group)
+    box = [{"from": 0}] if RANK == 0 else [None]
+    dist.broadcast_object_list(box, src=0, group=group)
+    failures = []
+    if objects != [{"rank": r} for r in range(SIZE)] or box != [{"from": 0}]:
+        failures.append(f"{backend} object collectives: {objects} {box}")
+    functional = funcol.all_reduce(torch.full((3,), float(RANK)), "sum", group)
+    if not torch.equal(functional.wait(), torch.full((3,), float(sum(range(SIZE))))):
+        failures.append(f"{backend} functional all_reduce: {functional}")
+    return failures
 
 
 def train(backend: str, steps: int) -> str:
