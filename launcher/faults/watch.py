@@ -15,9 +15,10 @@ a rank of a small node watches more ranks of the big one (no fewer will do).
 
 On a single node the watchers are the next two ranks: there is no other node to be on.
 
-Silence a watcher finds is told to every rank over the side channel (``launcher.faults.heartbeat``),
-so every survivor names every silent rank, not only those it watches. docs/fault-tolerance.md
-says why this design (a fixed ring-like graph, as Open MPI's ULFM detector) and not gossip.
+Silence a watcher finds is told to every rank over the side channel
+(``launcher.faults.heartbeat``), so every survivor names every silent rank, not only those it
+watches. docs/training.md ("The control plane at scale") says why this design (a fixed
+ring-like graph, as Open MPI's ULFM detector) and not gossip.
 """
 
 from __future__ import annotations
