@@ -56,7 +56,7 @@ class _Beats:
     def exchange(self) -> set[int]:
         return self.alive
 
-    def leave(self) -> None:
+    def leave(self, failed: bool = False) -> None:
         pass
 
 

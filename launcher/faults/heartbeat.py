@@ -161,11 +161,11 @@ class Heartbeat:
         return PeerLost(f"{what}: no heartbeat for {SILENT_S:.0f} s from {names}", HINT,
                         nodes=tuple(dict.fromkeys(self.nodes[rank] for rank in silent)))
 
-    def leave(self) -> None:
-        """This rank leaves the job (it ends, for whatever reason): no more beats, and its
+    def leave(self, failed: bool = False) -> None:
+        """This rank leaves the job (``failed``: after a failure): no more beats, and its
         watchers told that it left, so that no survivor names it as silent, a lost node."""
         self._stop.set()
-        self._beats.leave()
+        self._beats.leave(failed)
 
     def close(self) -> None:
         self.leave()

@@ -68,9 +68,13 @@ class MpiSideChannel(SideChannel):
             heard, self._heard = self._heard, set()
             return heard | self._left
 
-    def leave(self) -> None:
+    def leave(self, failed: bool = False) -> None:
         """This rank leaves the job: its watchers count it as heard from now on (it ended, it
-        is not lost). Best effort, within about LEAVE_S."""
+        is not lost). Best effort, within about LEAVE_S; nothing after a failure: a message
+        to a dead peer's endpoint can crash the library (UCX under srun: a segfault), and
+        the launcher ends every rank of an MPI job once one fails anyway."""
+        if failed:
+            return
         try:
             with self._gone_on_error():
                 requests = [self._comm.isend(b"", dest=peer, tag=_LEFT)

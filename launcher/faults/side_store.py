@@ -134,9 +134,10 @@ class StoreSideChannel(SideChannel):
                     self._deliver(message)
         return heard
 
-    def leave(self) -> None:
-        """This rank leaves the job: its watchers count it as heard from now on (it ended, it
-        is not lost). Best effort, within about LEAVE_S: the store may be gone."""
+    def leave(self, failed: bool = False) -> None:
+        """This rank leaves the job (``failed``: after a failure): its watchers count it as
+        heard from now on (it ended, it is not lost). Best effort, within about LEAVE_S: the
+        store may be gone."""
         self._left = True
         if not self._lock.acquire(timeout=LEAVE_S):
             return

@@ -130,7 +130,7 @@ def process_group(
         # instead (launcher.core.errors.report_and_exit, launcher.faults.failfast.end_process);
         # its watchers are told it left, so that no survivor names it as a lost node
         if not healthy and beat is not None:
-            beat.leave()
+            beat.leave(failed=True)
         if healthy:
             if watch is not None:
                 watch.ended()  # for ranks that may still wait for this one
