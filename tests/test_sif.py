@@ -43,6 +43,8 @@ pytestmark = pytest.mark.timeout(COLD_BUILD_TIMEOUT)
 
 INVOKE = [sys.executable, "-m", "invoke"]
 DIGEST = re.compile(r"^system partition sha256 ([0-9a-f]{64})$", re.MULTILINE)
+#: how launcher.check names the compiled mpi backend built in the image
+COMPILED = "the compiled mpi backend (/opt/ddp/venv/lib/ddp-ext/"
 
 
 def _siftool(*args: str) -> subprocess.CompletedProcess:
@@ -174,17 +176,21 @@ def test_the_sifs_test_section_passes(sif_root):
 
 @pytest.mark.runtime
 @pytest.mark.slurm
-@pytest.mark.parametrize("plugin, library, libmpi", [
-    ("pmi2", MPICH, "/opt/ddp/venv/lib/libmpi.so.12"),
-    ("pmix", OPENMPI, "/opt/ddp/openmpi/lib/libmpi.so.40"),
+@pytest.mark.parametrize("plugin, library, libmpi, implementation", [
+    # the compiled backend is built against the image's MPICH; with Open MPI chosen it would
+    # load a second libmpi beside mpi4py's, so the Python one runs (launcher/mpi/cxx.py)
+    ("pmi2", MPICH, "/opt/ddp/venv/lib/libmpi.so.12", COMPILED),
+    ("pmix", OPENMPI, "/opt/ddp/openmpi/lib/libmpi.so.40", "the Python mpi backend"),
 ])
 def test_srun_starts_ranks_from_the_sif(slurm_cluster, sif_root, tmp_path, plugin, library,
-                                        libmpi):
+                                        libmpi, implementation):
     ch = ch_run(sif_root, tmp_path)
     check = slurm_cluster.srun(["-n", "2", f"--mpi={plugin}", *ch, "python", "-m",
                                 "launcher.check", "--backend", "mpi"], timeout=RUN_TIMEOUT,
                                env=_user_env())
     passed_check(check, library, libmpi, "pmix" if plugin == "pmix" else "pmi")
+    # passed: every rank runs the same implementation (a mix is one of the check's problems)
+    assert f"mpi: rank 0 runs {implementation}" in check.stdout, check.stdout
     equal_hashes(slurm_cluster.srun(["-n", "2", f"--mpi={plugin}", *ch, "python", "-m",
                                      "launcher.train", *TRAIN], timeout=RUN_TIMEOUT,
                                     env=_user_env()))
@@ -196,6 +202,7 @@ def test_hydra_mpiexec_starts_ranks_from_the_sif(sif_root, tmp_path, dockerd, si
     mpiexec = [str(mpiexec_path()), "-n", "2", *ch_run(sif_root, tmp_path), "python", "-m"]
     check = run_host([*mpiexec, "launcher.check", "--backend", "mpi"])
     passed_check(check, MPICH, "/opt/ddp/venv/lib/libmpi.so.12", "pmi")
+    assert f"mpi: rank 0 runs {COMPILED}" in check.stdout, check.stdout
     # the footer holds what every rank agrees on: the build, the SIF's source image id
     built = dockerd.images.get(sif_image).id[:19]
     assert re.search(rf"^image: \S+ {built}$", check.stdout, re.M), check.stdout
