@@ -8,12 +8,14 @@ timeout + 10 s of rank 0 starting to wait, exit 4 (3 for the stopped rank: its n
 suspect), leave the post-mortem that ``python -m launcher.hang`` reads back to the same line,
 and nothing behind. Under torchrun and srun, the most telling cases only: the same script's
 skip (gloo) and spin (mpi), and ``launcher.train`` whose rank 1 spins in its model's forward
-(``tests.faulty_model``) while rank 0 waits on DDP's gradient all_reduce.
+(``tests.faulty_model``) while rank 0 waits on DDP's gradient all_reduce. Inside ``ch-run``
+from the SIF under mpiexec: the skip (mpi).
 """
 
 from __future__ import annotations
 
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -169,6 +171,32 @@ def test_under_torchrun_rank_1_skips_an_all_reduce(tmp_path):
     line = _on_every_rank(output, 2)
     _names_the_skip(line)
     _read_back(tmp_path, line, 2)
+
+
+@pytest.mark.runtime
+@pytest.mark.mpi
+def test_inside_ch_run_from_the_sif_rank_1_skips_an_all_reduce(sif_root, tmp_path):
+    """Hydra's mpiexec on the host, each rank in ``ch-run`` from the SIF's root (the image's
+    MPICH and launcher, the compiled mpi backend: tests/test_sif.py checks it is the one
+    chosen there): the script and the run directory in the
+    bound scratch directory, so the line names the same ``tests/hang_scripts`` lines."""
+    from tests.test_host_launchers import SCRATCH, _user_env, ch_run
+
+    shutil.copytree(SCRIPTS, tmp_path / "tests" / "hang_scripts")
+    container = ch_run(sif_root, tmp_path)
+    container.insert(1, f"--cd={SCRATCH}")
+
+    def in_sif(argv: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+        return _local([str(mpiexec_path()), "-n", "2", *container, "python", *argv[1:]],
+                      {**env, **_user_env()})
+
+    status, output, ended = _run(in_sif, ["tests/hang_scripts/hung.py", "skip", "mpi",
+                                          f"{SCRATCH}/run"])
+    assert ended - _since(output) <= TIMEOUT_S + BOUND_S, output
+    assert status == EXIT_HUNG, output
+    line = _on_every_rank(output, 2)
+    _names_the_skip(line)
+    _read_back(tmp_path / "run", line, 2)
 
 
 def _train_spinning(launch: Launch, backend: str, tmp_path: Path) -> tuple[int, str]:
