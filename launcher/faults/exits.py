@@ -4,7 +4,6 @@ the public API offers it as ``launcher.exit_statuses``."""
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -29,12 +28,7 @@ def exit_statuses(env: JobEnv | None = None) -> Iterator[JobEnv]:
             rank = env.rank
         yield env
     except LaunchError as error:
-        # MPI_Abort where the launcher's own status is what the user reads (Hydra, mpirun:
-        # it would report the signal of the ranks it kills, 9, not 3); not under srun, where
-        # the batch script reads the run directory's exit-status, and an abort through PMI-2
-        # after a peer died went with crashes and a requeued job that failed in MPI_Init
-        report_and_exit(error, rank, end=os._exit if env is not None and env.launcher ==
-                        "slurm" else end_process)
+        report_and_exit(error, rank, end=end_process)
     except Preempted as preempted:
         # every rank says so: under mpiexec/srun only one exit status reaches the job log
         what = "interrupted" if preempted.status == EXIT_INTERRUPTED else "preempted"
