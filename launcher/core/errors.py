@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable
 
 
 class LaunchError(Exception):
@@ -80,15 +79,12 @@ class PeerLost(LaunchError):
         self.nodes = tuple(nodes)
 
 
-def report_and_exit(error: LaunchError, rank: int | None = None,
-                    end: Callable[[int], None] = os._exit) -> None:
-    """Print ``error`` on stderr, prefixed with the rank when known, and exit non-zero; a lost
-    peer through ``end`` (``launcher.faults.failfast.end_process`` in a rank: ``MPI_Abort``
-    under MPI, so that mpiexec's status is 3 and not that of the ranks it then kills)."""
+def report_and_exit(error: LaunchError, rank: int | None = None) -> None:
+    """Print ``error`` on stderr, prefixed with the rank when known, and exit non-zero."""
     prefix = f"[rank {rank}] " if rank is not None else ""
     for line in str(error).splitlines():
         print(f"{prefix}{line}", file=sys.stderr, flush=True)
     if isinstance(error, PeerLost):
         sys.stdout.flush()
-        end(EXIT_PEER_LOST)
+        os._exit(EXIT_PEER_LOST)
     sys.exit(EXIT_USER_ERROR)

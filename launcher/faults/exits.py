@@ -28,7 +28,7 @@ def exit_statuses(env: JobEnv | None = None) -> Iterator[JobEnv]:
             rank = env.rank
         yield env
     except LaunchError as error:
-        report_and_exit(error, rank, end=end_process)
+        report_and_exit(error, rank)
     except Preempted as preempted:
         # every rank says so: under mpiexec/srun only one exit status reaches the job log
         what = "interrupted" if preempted.status == EXIT_INTERRUPTED else "preempted"
