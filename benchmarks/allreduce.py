@@ -31,6 +31,11 @@ end of the call. That is the call time of the rank that arrived last, i.e. the s
 time over the ranks: no clocks need to agree across nodes. It shows what a backend that moves
 data on helper threads (gloo) pays when the ranks keep their cores busy, which the idle
 ping-pong above cannot show.
+
+Where the compiled backend is built, each size also times ``dist.all_reduce`` on each rank's
+group of one on that backend ("front end": torch's Python wrapper and dispatch, the backend's
+call and an MPI call with no peer), the yardstick of issue 37's goal: the compiled backend's
+time minus raw mpi4py's at most the front end's plus 1 us.
 """
 
 from __future__ import annotations
@@ -98,23 +103,43 @@ def init_groups() -> dict[str, dist.ProcessGroup]:
     return groups
 
 
-def allreduce_ops(nbytes: int, groups: dict) -> dict:
+def solo_group(groups: dict) -> dist.ProcessGroup | None:
+    """This rank's group of one on the compiled backend (None where it is not built)."""
+    if mpi_cxx.BACKEND_NAME not in groups:
+        return None
+    mine, _ = dist.new_subgroups(group_size=1, backend=mpi_cxx.BACKEND_NAME)
+    return mine
+
+
+def allreduce_ops(nbytes: int, groups: dict, solo: dist.ProcessGroup | None = None) -> dict:
     """One all_reduce of ``nbytes`` per contender, each on its own buffer of zeros (sums stay
-    finite however often they run)."""
+    finite however often they run), and on ``solo`` as "front_end" where given."""
     def over(group):
         buf = torch.zeros(nbytes // 4)
         return lambda: dist.all_reduce(buf, group=group)
 
     raw = torch.zeros(nbytes // 4).numpy()
     return {**{name: over(g) for name, g in groups.items()},
-            "raw": lambda: COMM.Allreduce(MPI.IN_PLACE, raw, op=MPI.SUM)}
+            "raw": lambda: COMM.Allreduce(MPI.IN_PLACE, raw, op=MPI.SUM),
+            **({"front_end": over(solo)} if solo is not None else {})}
 
 
-def allreduce_table(groups, args, limits: dict[str, float]) -> list[dict]:
+def front_end_goal(row: dict, stats: dict) -> None:
+    """Issue 37's small-message goal, per statistic: mpi_cxx - raw <= front end + 1 us."""
+    for stat in ("median", "best"):
+        row[f"front_end_{stat}_us"] = stats["front_end"][stat] * 1e6
+        row[f"mpi_cxx_minus_raw_{stat}_us"] = (stats["mpi_cxx"][stat]
+                                               - stats["raw"][stat]) * 1e6
+        row[f"front_end_goal_met_{stat}"] = (row[f"mpi_cxx_minus_raw_{stat}_us"]
+                                             <= row[f"front_end_{stat}_us"] + 1.0)
+
+
+def allreduce_table(groups, args, limits: dict[str, float],
+                    solo: dist.ProcessGroup | None = None) -> list[dict]:
     link_GBps = limits["link_GBps"]
     rows = []
     for nbytes in SIZES:
-        stats = measure(allreduce_ops(nbytes, groups), args)
+        stats = measure(allreduce_ops(nbytes, groups, solo), args)
         row = {"bytes": nbytes,
                "floor_us": bus_factor(COMM.size) * nbytes / link_GBps / 1e3}
         for name in CONTENDERS:
@@ -135,6 +160,8 @@ def allreduce_table(groups, args, limits: dict[str, float]) -> list[dict]:
                 cxx = stats["mpi_cxx"][stat]
                 row[f"mpi_cxx_vs_raw_{stat}"] = stats["raw"][stat] / cxx
                 row[f"mpi_cxx_vs_mpi4py_{stat}"] = mine / cxx  # > 1: faster than Python's
+        if solo is not None:
+            front_end_goal(row, stats)
         rows.append(row)
     return rows
 
@@ -218,6 +245,8 @@ def print_table(rows: list[dict], latency: dict, busy: dict, limits: dict) -> No
           "exchange's bandwidth; vs raw = raw time / mpi4py time "
           "(1.0 = as fast as raw mpi4py); vs gloo = gloo time / mpi4py time (> 1 = faster); "
           "cxx vs raw, cxx vs py: the same for mpi_cxx against raw and against mpi4py")
+    if rows and "front_end_median_us" in rows[0]:
+        print_front_end(rows)
     print("\nping-pong, 4 bytes, half round trip, median (best) us: "
           + ", ".join(f"{n} {latency[n]['median'] / 2 * 1e6:.1f} "
                       f"({latency[n]['best'] / 2 * 1e6:.1f})" for n in CONTENDERS))
@@ -226,6 +255,18 @@ def print_table(rows: list[dict], latency: dict, busy: dict, limits: dict) -> No
     for n in CONTENDERS:
         print(f"{n:>10}: " + " ".join(f"{busy[n][k] * 1e6:8.1f}"
                                       for k in ("mean", "median", "p90", "best")))
+
+
+def print_front_end(rows: list[dict]) -> None:
+    print("\nthe compiled backend against raw mpi4py and torch's front end (dist.all_reduce on "
+          "a group of one), median (best) us; goal: mpi_cxx - raw <= front end + 1")
+    for r in rows:
+        met = {stat: "met" if r[f"front_end_goal_met_{stat}"] else "not met"
+               for stat in ("median", "best")}
+        print(f"{human(r['bytes']):>6} | mpi_cxx - raw {r['mpi_cxx_minus_raw_median_us']:>8.1f} "
+              f"({r['mpi_cxx_minus_raw_best_us']:>7.1f}) | front end "
+              f"{r['front_end_median_us']:>6.1f} ({r['front_end_best_us']:>5.1f}) | "
+              f"{met['median']} ({met['best']})")
 
 
 def _plot_if_possible(path: Path) -> None:
@@ -245,8 +286,9 @@ def main() -> None:
     args = parse_args()
     groups = init_groups()
     CONTENDERS = (*groups, "raw")
+    solo = solo_group(groups)
     limits = floor(args)
-    rows = allreduce_table(groups, args, limits)
+    rows = allreduce_table(groups, args, limits, solo)
     latency = measure(pingpong_ops(groups), args)
     busy = busy_allreduce(groups, args)
     hosts = COMM.gather(socket.gethostname())

@@ -45,6 +45,11 @@ def test_allreduce_benchmark_writes_every_table(tmp_path):
     assert set(report["pingpong_half_round_trip_us"]) == set(busy)
     for row in report["allreduce"]:
         assert ("mpi_cxx_vs_mpi4py_median" in row) == bool(cxx)
+        assert ("front_end_goal_met_best" in row) == bool(cxx)
+        if cxx:  # the group of one: no peer, so never slower than the 2-rank call
+            assert 0 < row["front_end_best_us"] <= row["mpi_cxx_best_us"]
+            assert row["mpi_cxx_minus_raw_best_us"] == pytest.approx(
+                row["mpi_cxx_best_us"] - row["raw_best_us"])
     for stats in busy.values():
         assert 0 < stats["best"] <= stats["median"] <= stats["p90"]
     assert "between rounds of compute" in result.stdout
@@ -55,11 +60,17 @@ def test_ddp_step_benchmark_times_each_backend_beside_compute_alone(tmp_path):
     result = run_mpi(2, ["-m", "benchmarks.ddp_step", "--seconds", "0.2", "--rounds", "1",
                          "--max-calls", "3", "--json", str(out)], timeout=300)
     assert result.returncode == 0, result.output
-    steps = json.loads(out.read_text())["step_ms"]
+    report = json.loads(out.read_text())
+    steps = report["step_ms"]
     cxx = {"mpi_cxx"} if mpi_cxx.built_path().exists() else set()
-    assert set(steps) == {"compute", "mpi4py", "gloo"} | cxx
+    assert set(steps) == {"compute", "serial", "ddp alone", "mpi4py", "gloo"} | cxx
     assert all(0 < s["best"] <= s["median"] for s in steps.values())
     assert "communication not hidden" in result.stdout
+    backend = report["serial_backend"]
+    assert backend == ("mpi_cxx" if cxx else "mpi4py")
+    assert report["hidden_ms"]["best"] == pytest.approx(
+        steps["serial"]["best"] + steps["ddp alone"]["best"] - steps["compute"]["best"]
+        - steps[backend]["best"])
 
 
 def test_train_scaling_benchmark_splits_weak_scaling_and_measures_the_broadcast(tmp_path):
