@@ -45,6 +45,8 @@ HASH = re.compile(r"param-sha256 rank=(\d+) ([0-9a-f]{64})")
 LIBMPI_PATH = re.compile(r"^libmpi_path: (\S+)$", re.M)
 MPICH = "MPICH Version: 5.0.2"
 OPENMPI = f"Open MPI v{OPENMPI_VERSION}"
+#: how launcher.check names the compiled mpi backend built in the image
+COMPILED = "the compiled mpi backend (/opt/ddp/venv/lib/ddp-ext/"
 
 
 def _user_env() -> dict[str, str]:
@@ -84,14 +86,16 @@ def run_host(argv: list[str], env: dict[str, str] | None = None,
     return subprocess.CompletedProcess(argv, process.returncode, stdout, stderr)
 
 
-def passed_check(result, library: str, libmpi: str, pmi: str) -> None:
-    """``launcher.check`` passed, every rank on ``library`` from ``libmpi`` under ``pmi``."""
+def passed_check(result, library: str, libmpi: str, pmi: str, runs: str = "") -> None:
+    """``launcher.check`` passed, every rank on ``library`` from ``libmpi`` under ``pmi``, rank 0
+    on the mpi backend that ``runs`` begins to name (where given)."""
     out = result.stdout.replace("\0", "")
     report = f"exit {result.returncode}\n{out}\n{result.stderr}"
     assert result.returncode == 0 and "check passed" in out, report
     assert f"mpi_library: {library}" in out, report  # the footer: the same on every rank
     assert LIBMPI_PATH.findall(out) == [libmpi], report
     assert f"pmi: {pmi}" in out, report
+    assert f"mpi: rank 0 runs {runs}" in out, report
 
 
 def equal_hashes(result, ranks: int = 2) -> str:
@@ -263,7 +267,10 @@ def test_host_open_mpi_bound_in(ch_image, openmpi_prefix, tmp_path):
               "-b", f"{openmpi_prefix / 'lib'}:{HOST_MPI_LIB}", "-b", f"{tmp_path}:{SCRATCH}",
               f"--set-env=LD_LIBRARY_PATH={HOST_MPI_LIB}", str(ch_image), "--", "python", "-m"]
     passed_check(run_host([*mpirun, "launcher.check", "--backend", "mpi"], OPENMPI_ROOT_ENV),
-                 OPENMPI, f"{HOST_MPI_LIB}/libmpi.so.40", "pmix")
+                 OPENMPI, f"{HOST_MPI_LIB}/libmpi.so.40", "pmix",
+                 "the Python mpi backend: mpi4py runs on /opt/host-mpi/lib/libmpi.so.40, the "
+                 "compiled mpi backend on the MPICH ABI (libmpi.so.12): two MPI libraries "
+                 "cannot share a process")
     equal_hashes(run_host([*mpirun, "launcher.train", *TRAIN], OPENMPI_ROOT_ENV))
 
 
@@ -273,7 +280,8 @@ def test_host_intel_mpi_bound_in(ch_image, impi_prefix, tmp_path):
                 env=(("LD_LIBRARY_PATH", HOST_MPI_LIB),))
     mpiexec = [str(impi_prefix / "bin" / "mpiexec.hydra"), "-n", "2", *ch, "python", "-m"]
     passed_check(run_host([*mpiexec, "launcher.check", "--backend", "mpi"], IMPI_ENV),
-                 f"Intel(R) MPI Library {IMPI_VERSION}", f"{HOST_MPI_LIB}/libmpi.so.12", "pmi")
+                 f"Intel(R) MPI Library {IMPI_VERSION}", f"{HOST_MPI_LIB}/libmpi.so.12", "pmi",
+                 COMPILED)  # on Intel's library: the MPICH ABI
     equal_hashes(run_host([*mpiexec, "launcher.train", *TRAIN], IMPI_ENV))
 
 

@@ -27,6 +27,7 @@ from tests.fixtures.golden import golden
 from tests.fixtures.mpi import mpiexec_path
 from tests.fixtures.sif import build_sif
 from tests.test_host_launchers import (
+    COMPILED,
     MPICH,
     OPENMPI,
     RUN_TIMEOUT,
@@ -43,8 +44,6 @@ pytestmark = pytest.mark.timeout(COLD_BUILD_TIMEOUT)
 
 INVOKE = [sys.executable, "-m", "invoke"]
 DIGEST = re.compile(r"^system partition sha256 ([0-9a-f]{64})$", re.MULTILINE)
-#: how launcher.check names the compiled mpi backend built in the image
-COMPILED = "the compiled mpi backend (/opt/ddp/venv/lib/ddp-ext/"
 
 
 def _siftool(*args: str) -> subprocess.CompletedProcess:
