@@ -85,9 +85,6 @@ def test_gloo_survivors_name_exactly_the_silent_ranks(tmp_path, case, monkeypatc
             process.communicate()
 
 
-@pytest.mark.xfail(reason="issue #35: rank 0 names the stopped rank and exits 3, but mpiexec "
-                   "ends with 9, the signal of the ranks Hydra then kills; ending through "
-                   "MPI_Abort(3) instead lost the rank's own lines in a loaded run", run=False)
 def test_mpi_survivor_names_the_stopped_rank_of_16(tmp_path, monkeypatch):
     monkeypatch.setattr("tests.test_stuck_rank.TIMEOUT_S", TIMEOUT_S)
     tag, victim = f"{os.getpid()}-16", 5

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 
 
 class LaunchError(Exception):
@@ -79,12 +80,15 @@ class PeerLost(LaunchError):
         self.nodes = tuple(nodes)
 
 
-def report_and_exit(error: LaunchError, rank: int | None = None) -> None:
-    """Print ``error`` on stderr, prefixed with the rank when known, and exit non-zero."""
+def report_and_exit(error: LaunchError, rank: int | None = None,
+                    end: Callable[[int], None] = os._exit) -> None:
+    """Print ``error`` on stderr, prefixed with the rank when known, and exit non-zero; a lost
+    peer through ``end`` (in a rank under mpiexec or mpirun: ``MPI_Abort``, so that the
+    launcher's status is 3 and not the signal of the ranks it then kills)."""
     prefix = f"[rank {rank}] " if rank is not None else ""
     for line in str(error).splitlines():
         print(f"{prefix}{line}", file=sys.stderr, flush=True)
     if isinstance(error, PeerLost):
         sys.stdout.flush()
-        os._exit(EXIT_PEER_LOST)
+        end(EXIT_PEER_LOST)
     sys.exit(EXIT_USER_ERROR)

@@ -4,14 +4,30 @@ the public API offers it as ``launcher.exit_statuses``."""
 
 from __future__ import annotations
 
+import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from launcher.core.errors import EXIT_INTERRUPTED, LaunchError, RankFailed, report_and_exit
 from launcher.faults.failfast import end_process
 from launcher.faults.preemption import Preempted
 from launcher.placement.env import JobEnv, detect_environment
+
+#: seconds a survivor of a lost peer waits between its line and MPI_Abort: Hydra ends the job at
+#: the first abort, and forwards only what it has read by then (16 ranks, a script that prints
+#: and aborts: 5 of 15 survivors' lines arrived with no wait, all 15 after 0.5 s)
+FORWARD_S = 1.0
+
+
+def _peer_lost_end(env: JobEnv | None) -> Callable[[int], None]:
+    """How a survivor of a lost peer ends. MPI_Abort where the launcher's own status is what
+    the user reads (Hydra, mpirun: else it reports the signal of the ranks it kills, 9, not 3);
+    not under srun, where the batch script reads the run directory's exit-status, and an abort
+    through PMI-2 after a peer died went with crashes and a requeued job failing in MPI_Init."""
+    if env is not None and env.launcher == "slurm":
+        return os._exit
+    return lambda status: end_process(status, linger_s=FORWARD_S)
 
 
 @contextmanager
@@ -28,7 +44,7 @@ def exit_statuses(env: JobEnv | None = None) -> Iterator[JobEnv]:
             rank = env.rank
         yield env
     except LaunchError as error:
-        report_and_exit(error, rank)
+        report_and_exit(error, rank, end=_peer_lost_end(env))
     except Preempted as preempted:
         # every rank says so: under mpiexec/srun only one exit status reaches the job log
         what = "interrupted" if preempted.status == EXIT_INTERRUPTED else "preempted"
