@@ -22,6 +22,7 @@ import pytest
 from launcher.core.errors import EXIT_RANK_FAILED
 from tests.fixtures.mpi import REPO_ROOT, clean_environ, mpiexec_path
 from tests.fixtures.rank_exits import FAILURE_ENDS_WITHIN_S
+from tests.fixtures.scheduling import uses
 
 EXAMPLES = REPO_ROOT / "examples"
 TIMEOUT_S = 300
@@ -93,7 +94,7 @@ def rank_pids(script: Path) -> list[int]:
 
 
 LAUNCHERS = [pytest.param("mpiexec", marks=pytest.mark.mpi),
-             pytest.param("srun", marks=pytest.mark.slurm),
+             pytest.param("srun", marks=[pytest.mark.slurm, uses("slurm_cluster")]),
              "torchrun"]
 
 

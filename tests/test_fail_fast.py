@@ -34,6 +34,7 @@ from tests.fixtures.host_mpi import OPENMPI_ROOT_ENV
 from tests.fixtures.left_behind import processes_marked
 from tests.fixtures.mpi import REPO_ROOT, clean_environ, mpiexec_path
 from tests.fixtures.rank_exits import FAILURE_ENDS_WITHIN_S, RECORD, rank_exits
+from tests.fixtures.scheduling import uses
 
 #: a collective waits this long for a peer: a run that relied on it would fail the test
 TIMEOUT_S = 120
@@ -138,8 +139,8 @@ def data_dir(tmp_path_factory) -> Path:
 LAUNCHERS = [
     pytest.param("mpiexec", "gloo", marks=pytest.mark.mpi),
     pytest.param("mpiexec", "mpi", marks=pytest.mark.mpi),
-    pytest.param("srun", "gloo", marks=pytest.mark.slurm),
-    pytest.param("srun", "mpi", marks=pytest.mark.slurm),
+    pytest.param("srun", "gloo", marks=[pytest.mark.slurm, uses("slurm_cluster")]),
+    pytest.param("srun", "mpi", marks=[pytest.mark.slurm, uses("slurm_cluster")]),
     pytest.param("torchrun", "gloo"),
 ]
 
