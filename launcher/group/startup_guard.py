@@ -33,7 +33,8 @@ HINTS = {
         "look at the other ranks' errors (one that failed first leaves the rest waiting in "
         "MPI_Init); a stale mpich_shm_* segment in /dev/shm from an aborted job, or a network "
         "the MPI cannot use, also stops it (the MPICH wheel: MPIR_CVAR_CH4_NETMOD=ofi "
-        "FI_PROVIDER=tcp); " + _BOUND),
+        "FI_PROVIDER=tcp), as does Slurm's pmi2 server with a long UCX address (slurmstepd: "
+        "'value not properly terminated'; docs/launching.md); " + _BOUND),
     "the rendezvous": (
         "look at the other ranks' errors: a rank that did not arrive, a port taken, or a "
         "host the others cannot reach (MASTER_ADDR, GLOO_SOCKET_IFNAME); " + _BOUND),

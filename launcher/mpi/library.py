@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from launcher.core.errors import LaunchError
-from launcher.mpi import cma
+from launcher.mpi import cma, fresh_stack
 from launcher.placement import settings
 from launcher.placement.env import JobEnv, detect_environment
 
@@ -212,13 +212,23 @@ def start(env: JobEnv):
     mpi4py may already be imported without starting MPI (``launcher.check`` reads the library
     version that way), so importing it again would not start it.
     """
-    ensure_startable(env)
+    choice = ensure_startable(env)
+    if choice.bundled_mpich and env.launcher == "slurm" and env.pmi == "pmi":
+        fresh_stack.run(_init)  # PMI lines short enough for Slurm's pmi2 server
+    else:
+        _init()
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD
+
+
+def _init() -> None:
+    # importing mpi4py.MPI starts MPI unless the importer said not to (mpi4py.rc.initialize)
     from mpi4py import MPI
 
     if not MPI.Is_initialized():
         MPI.Init_thread(MPI.THREAD_MULTIPLE)
         atexit.register(lambda: MPI.Is_finalized() or MPI.Finalize())
-    return MPI.COMM_WORLD
 
 
 def ensure_startable(env: JobEnv) -> MpiChoice:
