@@ -102,11 +102,11 @@ def test_sbatch_preempted_job_requeues_and_resumes_to_the_same_model(compose_slu
     compose_slurm.check(LOGIN, f"scancel --signal=USR1 {job_id}")
     record = wait_for_job(compose_slurm, job_id, {"PENDING", "COMPLETED", "FAILED"}, JOB_TIMEOUT)
     assert record["JobState"] == "PENDING" and record["Restarts"] == "1", record
-    # Slurm holds a requeued job back (Reason=BeginTime) until the old run's credential has
-    # expired on the nodes (AuthInfo=cred_expire=30 in docker/slurm/slurm.conf). Not lifted with
+    # Slurm holds a requeued job back (Reason=BeginTime, once its scheduler has passed over it:
+    # "None" before, seen on a loaded machine) until the old run's credential has expired on
+    # the nodes (AuthInfo=cred_expire=30 in docker/slurm/slurm.conf). Not lifted with
     # `scontrol update StartTime=now`: on a loaded machine the old run's clean-up then races
     # the new run of the same job id, which ended FAILED with no output of its own.
-    assert record["Reason"] == "BeginTime", record
     record = wait_for_job(compose_slurm, job_id, {"COMPLETED", "FAILED"}, JOB_TIMEOUT)
     output = compose_slurm.check(LOGIN, f"cat /shared/preempted-{job_id}.out")
     assert record["JobState"] == "COMPLETED", output
