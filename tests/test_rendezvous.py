@@ -6,8 +6,10 @@ import socket
 import subprocess
 import sys
 from dataclasses import replace
+from datetime import timedelta
 
 import pytest
+import torch.distributed as dist
 
 from launcher.core.errors import LaunchError
 from launcher.group import rendezvous
@@ -130,3 +132,25 @@ def test_reachable_address_takes_what_peers_resolve_and_this_host_holds(monkeypa
     seen = ["10.9.0.2", "192.0.2.9", "10.9.0.1", "10.9.0.2", None, "127.0.0.1"]
     assert reachable_address("node0", seen) == "10.9.0.2"
     assert reachable_address("node0", ["192.0.2.9", "127.0.0.1"]) == "node0"
+
+
+@pytest.mark.parametrize(("answers", "joined"), [
+    # rank 0's store answers late on a loaded node: torch's client times out, try again
+    (["The client socket has timed out after 3000ms while trying to connect to (h, 1)."], True),
+    # not a store: it answers with something else, or accepts and never replies
+    (["Broken pipe"], False),
+    ([None], False),
+])
+def test_only_a_late_store_is_tried_again(monkeypatch, answers, joined):
+    env = detect_environment({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1",
+                              "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}, hostname="h")
+    store = dist.HashStore()
+    outcomes = [RuntimeError(a) if a else None for a in answers] + [store]
+    monkeypatch.setattr(rendezvous.socket, "create_connection", lambda *a, **k: socket.socket())
+    monkeypatch.setattr(rendezvous, "_attempt", lambda env: outcomes.pop(0))
+    if joined:
+        assert rendezvous._connect(env, timedelta(seconds=60)) is store
+    else:
+        with pytest.raises(LaunchError, match="answers, but not as rank 0's rendezvous store"):
+            rendezvous._connect(env, timedelta(seconds=60))
+        assert outcomes == [store]  # named at the first answer, no second try

@@ -16,7 +16,8 @@
 torchrun every rank joins the store its agent already serves, where it does). A rank that
 is not rank 0 keeps trying while nothing listens yet (rank 0 may start later), but stops at once
 when something answers that is not a store: another program holds the port, and rank 0, unable
-to bind it, has stopped already.
+to bind it, has stopped already. An attempt that times out is a store answering late (rank 0 on
+a loaded node) and is made again, until the rendezvous timeout.
 
 The port is free when rank 0 picks it; something else may take it before torch binds it, a
 window of milliseconds. MPI is started here only through ``launcher.mpi.library.start``, lazily:
@@ -204,9 +205,10 @@ def _connect(env: JobEnv, timeout: timedelta) -> dist.Store:
     """A client of rank 0's store, once something listens at its address (until ``timeout``).
 
     Waiting for the listener happens here, quietly: torch's client logs every failed attempt
-    with a C++ stack. What then answers gets one bounded attempt: torch's client retries for its
-    whole timeout when that is not a store, and hangs for good when it accepts and never
-    replies.
+    with a C++ stack. What then answers gets bounded attempts: torch's own client retries for
+    its whole timeout when that is not a store, and hangs for good when it accepts and never
+    replies. Only an attempt that timed out is made again (rank 0's store, slow on a loaded
+    node); a reply that is not a store's, or none at all, is named at once.
     """
     deadline = time.monotonic() + timeout.total_seconds()
     while True:
@@ -221,6 +223,20 @@ def _connect(env: JobEnv, timeout: timedelta) -> dist.Store:
                     "rendezvous (look at its error), or this node cannot reach it",
                     hint=_port_hint(env)) from None
             time.sleep(0.2)
+    while True:
+        outcome = _attempt(env)
+        if isinstance(outcome, dist.Store):
+            outcome.set_timeout(timeout)
+            return outcome
+        # a store that answers late (rank 0 on a loaded node) times out; a program that is
+        # not a store hangs the attempt or answers with something else
+        if not _timed_out(outcome) or time.monotonic() > deadline:
+            raise _foreign_listener(env, outcome)
+
+
+def _attempt(env: JobEnv) -> dist.Store | Exception | None:
+    """One bounded try at rank 0's store: the store, torch's error, or None when what answers
+    accepted and never replied (torch's client would then wait for good)."""
     outcome: list = []
 
     def attempt() -> None:
@@ -236,10 +252,11 @@ def _connect(env: JobEnv, timeout: timedelta) -> dist.Store:
         thread = threading.Thread(target=attempt, name="ddp-rendezvous", daemon=True)
         thread.start()
         thread.join(CONNECT_ATTEMPT_S + 3)
-    if not outcome or not isinstance(outcome[0], dist.Store):
-        raise _foreign_listener(env, outcome[0] if outcome else None)
-    outcome[0].set_timeout(timeout)
-    return outcome[0]
+    return outcome[0] if outcome else None
+
+
+def _timed_out(outcome: Exception | None) -> bool:
+    return outcome is not None and "timed out" in first_line(outcome).lower()
 
 
 def _foreign_listener(env: JobEnv, error: Exception | None) -> LaunchError:
