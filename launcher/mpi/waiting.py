@@ -35,6 +35,10 @@ class _Polling(Protocol):
 #: polls of a request (about 1 us each from Python) before each further poll gives up the
 #: CPU: MPICH spins for about as long (1000 polls of its own) before it yields
 POLLS_BEFORE_YIELD = 50
+#: a wait longer than this sleeps between polls (doubling up to MAX_PAUSE_S), not to burn a
+#: core that another rank, the heartbeat or a data loader needs: as the compiled backend does
+SPIN_S = 0.001
+MAX_PAUSE_S = 200e-6
 
 
 def wait(request: MPI.Request, lock, status: MPI.Status | None, timeout_s: float, op: str,
@@ -44,18 +48,25 @@ def wait(request: MPI.Request, lock, status: MPI.Status | None, timeout_s: float
     with lock:
         if request.Test(status):
             return
-    deadline = time.monotonic() + timeout_s
+    start = time.monotonic()
+    deadline = start + timeout_s
     polls = 0
+    pause = 1e-6
     while True:
         with lock:
             if request.Test(status):
                 return
         polls += 1
-        if polls > POLLS_BEFORE_YIELD:
+        now = time.monotonic()
+        if polls <= POLLS_BEFORE_YIELD:
+            pass
+        elif now - start < SPIN_S:
             # like MPICH's own wait loop: when ranks outnumber free cores, a peer waiting
             # for a CPU would otherwise wait out this process's whole time slice
             os.sched_yield()
-        now = time.monotonic()
+        else:
+            time.sleep(pause)
+            pause = min(pause * 2, MAX_PAUSE_S)
         if now > deadline:
             what = op if peer is None else f"{op} {peer}"
             try:
