@@ -106,17 +106,20 @@ def wheelhouse_source(wheelhouse: str) -> Path | None:
                            "or leave --wheelhouse out")
 
 
-def stage_wheels(flavor: Flavor, source: Path | None, into: Path) -> bool:
+def stage_wheels(flavor: Flavor, source: Path | None, into: Path,
+                 torch_into: Path | None = None) -> bool:
     """Hard-link (wheels are hundreds of MB; a copy across filesystems) SOURCE's wheels that
-    may be offered to pip for FLAVOR (``Flavor.fits_wheel``) into INTO; whether torch is one."""
+    may be offered to pip for FLAVOR (``Flavor.fits_wheel``) into INTO, torch's into
+    TORCH_INTO where given; whether torch is one."""
     for wheel in sorted(source.glob("*.whl")) if source else []:
         if not flavor.fits_wheel(wheel.name):
             continue
+        target = (torch_into or into) if wheel.name.startswith("torch-") else into
         try:
-            (into / wheel.name).hardlink_to(wheel)
+            (target / wheel.name).hardlink_to(wheel)
         except OSError:
-            shutil.copy2(wheel, into / wheel.name)
-    return any(into.glob("torch-*.whl"))
+            shutil.copy2(wheel, target / wheel.name)
+    return any((torch_into or into).glob("torch-*.whl"))
 
 
 def checked_ca_bundle(ca_bundle: str) -> Path:
@@ -133,14 +136,20 @@ def stage_build_inputs(wheelhouse: str, ca_bundle: str, *, flavor: Flavor,
                        root: Path = ic.ROOT) -> Path:
     """Fill ``.build-inputs/`` in the context ROOT: links to the wheels, a copy of the CA bundle.
 
-    Stateless: what a previous build left there is replaced, so a build without ``--ca-bundle``
-    never uses an old bundle. Torch wheels of another flavor (``torch-*+cpu`` for cuda) stay
-    out: pip would prefer them, their local version sorting above PyPI's.
+    ``base/`` (``wheelhouse/`` and the bundle) is copied at the start of the build stage,
+    ``torch/`` (the torch wheels) only before torch is installed: another torch wheel, as the
+    tests' stand-ins, then reuses the MPI layers instead of building them again. Stateless:
+    what a previous build left there is replaced, so a build without ``--ca-bundle`` never uses
+    an old bundle. Torch wheels of another flavor (``torch-*+cpu`` for cuda) stay out: pip
+    would prefer them, their local version sorting above PyPI's.
     """
     inputs = root / ic.BUILD_INPUTS
     shutil.rmtree(inputs, ignore_errors=True)
-    (inputs / "wheelhouse").mkdir(parents=True)
-    stage_wheels(flavor, wheelhouse_source(wheelhouse), inputs / "wheelhouse")
+    base = inputs / ic.BASE_INPUTS
+    (base / "wheelhouse").mkdir(parents=True)
+    (inputs / ic.TORCH_INPUTS).mkdir()
+    stage_wheels(flavor, wheelhouse_source(wheelhouse), base / "wheelhouse",
+                 inputs / ic.TORCH_INPUTS)
     if ca_bundle:
-        shutil.copy2(checked_ca_bundle(ca_bundle), inputs / ic.CA_BUNDLE_NAME)
+        shutil.copy2(checked_ca_bundle(ca_bundle), base / ic.CA_BUNDLE_NAME)
     return inputs

@@ -102,7 +102,7 @@ def build_image(*, flavor: str = IMAGE.flavor, name: str = IMAGE.name,
                 and client.images.get(tag).labels.get("io.ddp.source-digest") == digest:
             print(f"{tag} is current (source digest {digest})", file=out, flush=True)
             return tag
-        has_torch = any((inputs / "wheelhouse").glob("torch-*.whl"))
+        has_torch = any((inputs / ic.TORCH_INPUTS).glob("torch-*.whl"))
         args = ic.build_args(
             flavor=spec, base_image=base_image,
             identity=ic.image_identity(name, __version__, flavor),

@@ -23,8 +23,11 @@ def apptainer_def(flavor: str) -> Path:
     return APPTAINER_DIR / f"ddp-{flavor}.def"
 
 #: the build inputs the Dockerfile copies from the context (git-ignored, never part of the runtime
-#: image by default): ``wheelhouse/`` for ``pip --find-links`` and an optional CA bundle
+#: image by default): ``base/wheelhouse/`` for ``pip --find-links`` and an optional CA bundle in
+#: ``base/``, copied first; ``torch/``, the torch wheels, copied just before torch is installed
 BUILD_INPUTS = ".build-inputs"
+BASE_INPUTS = "base"
+TORCH_INPUTS = "torch"
 CA_BUNDLE_NAME = "extra-ca.crt"
 #: where ``pip download ... -d .wheelhouse`` puts wheels by default; the build links them in
 DEFAULT_WHEELHOUSE = ".wheelhouse"

@@ -77,10 +77,12 @@ def test_a_cuda_build_leaves_cpu_torch_wheels_out(tmp_path):
     for name in ("torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl",
                  "numpy-2.4.6-cp311-cp311-manylinux_2_28_x86_64.whl"):
         (wheelhouse / name).write_bytes(b"")
-    for flavor, expected in (("cpu", 2), ("cuda", 1)):
+    for flavor, expected in (("cpu", 1), ("cuda", 0)):
         inputs = engine.stage_build_inputs(str(wheelhouse), "", root=tmp_path,
                                            flavor=flavors.get(flavor))
-        assert len(list((inputs / "wheelhouse").iterdir())) == expected
+        assert len(list((inputs / ic.TORCH_INPUTS).iterdir())) == expected
+        assert [p.name for p in (inputs / ic.BASE_INPUTS / "wheelhouse").iterdir()] == [
+            "numpy-2.4.6-cp311-cp311-manylinux_2_28_x86_64.whl"]
 
 
 def test_a_wheelhouse_with_torch_replaces_the_torch_index():
@@ -120,12 +122,13 @@ def test_stage_build_inputs_is_stateless(tmp_path):
     bundle = tmp_path / "ca.crt"
     bundle.write_text("CERT")
     inputs = engine.stage_build_inputs(str(wheels), str(bundle), root=tmp_path, flavor=CPU)
-    assert sorted(p.name for p in (inputs / "wheelhouse").iterdir()) == [
+    assert sorted(p.name for p in (inputs / ic.TORCH_INPUTS).iterdir()) == [
         "torch-2.13.0+cpu-cp311-cp311-linux_x86_64.whl"]
-    assert (inputs / ic.CA_BUNDLE_NAME).read_text() == "CERT"
+    assert (inputs / ic.BASE_INPUTS / ic.CA_BUNDLE_NAME).read_text() == "CERT"
     inputs = engine.stage_build_inputs("", "", root=tmp_path, flavor=CPU)
-    assert not (inputs / ic.CA_BUNDLE_NAME).exists()
-    assert list((inputs / "wheelhouse").iterdir()) == []
+    assert not (inputs / ic.BASE_INPUTS / ic.CA_BUNDLE_NAME).exists()
+    assert list((inputs / ic.BASE_INPUTS / "wheelhouse").iterdir()) == []
+    assert list((inputs / ic.TORCH_INPUTS).iterdir()) == []
 
 
 def test_stage_build_inputs_names_missing_inputs(tmp_path):
