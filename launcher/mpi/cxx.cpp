@@ -42,8 +42,7 @@ constexpr const char* kName = "mpi_cxx";
 // polls of a request before each further poll gives up the CPU (MPICH spins about as long)
 constexpr int kPollsBeforeYield = 50;
 // a wait longer than this sleeps between polls (at most kMaxPause), not to burn a shared core
-// (benchmarks/README.md: 10 ms of yielding cost an oversubscribed node half its CPU)
-constexpr auto kSpin = std::chrono::milliseconds(1);
+constexpr auto kSpin = std::chrono::milliseconds(10);
 constexpr auto kMaxPause = std::chrono::microseconds(200);
 // how often the timeout callback is asked again while every peer still beats
 constexpr auto kOverdueEvery = std::chrono::seconds(1);
