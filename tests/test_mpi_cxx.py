@@ -18,6 +18,7 @@ from mpi4py import MPI
 
 from launcher.core.errors import LaunchError
 from launcher.mpi import cxx as mpi_cxx
+from launcher.mpi import waiting
 from launcher.placement.env import detect_environment
 from tests.fixtures.mpi import REPO_ROOT, clean_environ, run_mpi
 
@@ -25,6 +26,20 @@ HASH = re.compile(r"param-sha256 rank=(\d+) ([0-9a-f]{64})")
 needs_build = pytest.mark.skipif(not mpi_cxx.built_path().exists(),
                                  reason="the compiled mpi backend is not built "
                                         "(python -m launcher.mpi.cxx)")
+
+
+def test_both_implementations_poll_yield_and_sleep_alike():
+    """The Python wait (launcher/mpi/waiting.py) copies the compiled one's constants: a change
+    to either without the other would make the two backends load a shared node differently."""
+    source = (REPO_ROOT / "launcher" / "mpi" / "cxx.cpp").read_text()
+
+    def constant(name: str) -> str:
+        return re.search(rf"constexpr (?:int|auto) {name} = (.+);", source).group(1)
+
+    assert constant("kPollsBeforeYield") == str(waiting.POLLS_BEFORE_YIELD)
+    assert constant("kSpin") == f"std::chrono::milliseconds({round(waiting.SPIN_S * 1e3)})"
+    assert constant("kMaxPause") == \
+        f"std::chrono::microseconds({round(waiting.MAX_PAUSE_S * 1e6)})"
 
 
 @pytest.fixture
