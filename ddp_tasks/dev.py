@@ -41,7 +41,9 @@ def pytest_command(args: str = "", workers: int | None = None) -> list[str]:
     """The suite on WORKERS workers, tests that share a service kept on one
     (tests/fixtures/scheduling.py); 0 workers: in this process, as plain pytest."""
     workers = test_workers() if workers is None else workers
-    spread = ["-n", str(workers), "--dist", "loadgroup"] if workers else []
+    # the groups in tests/fixtures/scheduling.py's order, not the largest first
+    spread = ["-n", str(workers), "--dist", "loadgroup", "--no-loadscope-reorder"] \
+        if workers else []
     # every run leaves its figures, so that two runs' drift can be compared test by test
     timing = ["--timing-json", str(ROOT / "runs" / "test-timing.json")]
     return [sys.executable, "-m", "pytest", *spread, *timing, *shlex.split(args)]
