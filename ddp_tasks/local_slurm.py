@@ -155,14 +155,21 @@ class SlurmCluster:
         """The site's ``MpiDefault`` (none, pmi2, pmix) while the block runs: what srun uses
         without ``--mpi``. srun reads slurm.conf itself; slurmd is told to re-read it too."""
         text = self.conf.read_text()
-        self.conf.write_text(re.sub(r"^MpiDefault=.*$", f"MpiDefault={plugin}", text,
-                                    flags=re.M))
+        self._replace_conf(re.sub(r"^MpiDefault=.*$", f"MpiDefault={plugin}", text, flags=re.M))
         self.scontrol(["reconfigure"])
         try:
             yield
         finally:
-            self.conf.write_text(text)
+            self._replace_conf(text)
             self.scontrol(["reconfigure"])
+
+    def _replace_conf(self, text: str) -> None:
+        """Write slurm.conf whole, by a rename: slurmd re-reads it on its own time after a
+        reconfigure, and a file written in place can be empty at that moment, which ends
+        slurmd ("ClusterName needs to be specified"; seen in a full run, 2026-11-28)."""
+        staged = self.conf.with_name(self.conf.name + ".new")
+        staged.write_text(text)
+        os.replace(staged, self.conf)
 
     def logs(self, tail: int = 40) -> str:
         """The last lines of every daemon log, for failure messages."""
