@@ -8,7 +8,7 @@ pytest_plugins = [
     "tests.fixtures.cluster",
     "tests.fixtures.host_mpi",
     "tests.fixtures.sif",
-    "tests.fixtures.scheduling",
     "tests.fixtures.xdist_groups",
+    "tests.fixtures.scheduling",
     "tests.fixtures.timing",
 ]
