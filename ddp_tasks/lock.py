@@ -113,7 +113,7 @@ def write_lock(flavor: flavors.Flavor, text: str, pins: dict[str, str], output: 
     path.write_text(text)
     count = sum(len(s) for s in lock_file.parse(text).values())
     print(f"wrote {path}: {count} packages", file=out, flush=True)
-    shared = path.with_name(lock_file.shared_lock_path().name)
+    shared = path.with_name(lock_file.SHARED_LOCK_NAME)
     shared.write_text(lock_file.shared_text(text))
     print(f"wrote {shared}: its MPI sections, which every flavor shares", file=out, flush=True)
     return path

@@ -31,8 +31,8 @@ def lock_path(flavor: str, root: Path = ic.ROOT) -> Path:
     return root / "docker" / f"lock-{flavor}.txt"
 
 
-def shared_lock_path(root: Path = ic.ROOT) -> Path:
-    return root / "docker" / "lock-mpi.txt"
+#: the MPI sections every flavor's lock shares, beside the flavors' locks in docker/
+SHARED_LOCK_NAME = "lock-mpi.txt"
 
 
 def canonical(name: str) -> str:

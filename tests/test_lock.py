@@ -105,7 +105,7 @@ def test_the_committed_lock_holds_the_pins(flavor):
 def test_the_committed_mpi_lock_is_every_flavors_mpi_sections(flavor):
     """The build installs docker/lock-mpi.txt for every flavor; a flavor locked apart from it
     fails here (the build would stop at it too)."""
-    assert lock_file.shared_lock_path().read_text() == \
+    assert (ic.ROOT / "docker" / lock_file.SHARED_LOCK_NAME).read_text() == \
         lock_file.shared_text(lock_file.lock_path(flavor).read_text())
 
 
