@@ -74,7 +74,8 @@ _HINT = ("start every rank through MPI: mpiexec -n N, or under Slurm srun --mpi=
 
 def _create(opts, backend_options=None) -> MPIProcessGroup:
     """torch's factory hook (``extended_api=True``): one communicator per process group."""
-    return MPIProcessGroup(communicator(opts), opts.timeout)
+    comm = communicator(opts)
+    return MPIProcessGroup(comm, opts.timeout, waiting.spin_s(comm))
 
 
 def communicator(opts) -> MPI.Intracomm:

@@ -41,7 +41,8 @@ using Clock = std::chrono::steady_clock;
 constexpr const char* kName = "mpi_cxx";
 // polls of a request before each further poll gives up the CPU (MPICH spins about as long)
 constexpr int kPollsBeforeYield = 50;
-// a wait longer than this sleeps between polls (at most kMaxPause), not to burn a shared core
+// a wait longer than this sleeps between polls (at most kMaxPause), not to burn a shared core;
+// a group whose node has more ranks than CPUs gets no spin at all (waiting.spin_s decides)
 constexpr auto kSpin = std::chrono::milliseconds(10);
 constexpr auto kMaxPause = std::chrono::microseconds(200);
 // how often the timeout callback is asked again while every peer still beats
@@ -299,7 +300,8 @@ Overdue shareOverdue(py::function f) {
 
 // Polls ``request`` until done, asking ``overdue`` past the timeout (see the file comment).
 void poll(MPI_Request* request, MPI_Status* status, const std::string& what,
-          std::chrono::milliseconds timeout, const py::function& overdue) {
+          std::chrono::milliseconds timeout, std::chrono::microseconds spin,
+          const py::function& overdue) {
   const auto start = Clock::now();
   auto pause = std::chrono::microseconds(1);
   auto nextAsk = start + timeout;
@@ -309,7 +311,7 @@ void poll(MPI_Request* request, MPI_Status* status, const std::string& what,
     if (done) return;
     if (polls < kPollsBeforeYield) continue;
     const auto now = Clock::now();
-    if (now - start < kSpin) {
+    if (now - start < spin) {
       sched_yield();
     } else {
       std::this_thread::sleep_for(pause);
@@ -327,14 +329,15 @@ void poll(MPI_Request* request, MPI_Status* status, const std::string& what,
 class P2PWork : public c10d::Work {
  public:
   P2PWork(MPI_Request request, Tensor buf, std::optional<Tensor> target, std::string what,
-          std::chrono::milliseconds timeout, Overdue overdue, c10d::OpType type)
+          std::chrono::milliseconds timeout, std::chrono::microseconds spin, Overdue overdue,
+          c10d::OpType type)
       : Work(-1, type), request_(request), buf_(std::move(buf)), target_(std::move(target)),
-        what_(std::move(what)), timeout_(timeout), overdue_(std::move(overdue)) {}
+        what_(std::move(what)), timeout_(timeout), spin_(spin), overdue_(std::move(overdue)) {}
 
   bool wait(std::chrono::milliseconds /* timeout */) override {
     std::lock_guard<std::mutex> lock(mu_);
     if (!done_) {
-      poll(&request_, &status_, what_, timeout_, *overdue_);
+      poll(&request_, &status_, what_, timeout_, spin_, *overdue_);
       finishLocked();
     }
     return true;
@@ -377,6 +380,7 @@ class P2PWork : public c10d::Work {
   std::optional<Tensor> target_;
   std::string what_;
   std::chrono::milliseconds timeout_;
+  std::chrono::microseconds spin_;
   Overdue overdue_;
   bool done_ = false;
 };
@@ -386,8 +390,8 @@ class P2PWork : public c10d::Work {
 class MpiBackend : public c10d::Backend {
  public:
   MpiBackend(MPI_Comm comm, int rank, int size, std::chrono::milliseconds timeout,
-             py::function overdue)
-      : Backend(rank, size), comm_(comm), timeout_(timeout),
+             std::chrono::microseconds spin, py::function overdue)
+      : Backend(rank, size), comm_(comm), timeout_(timeout), spin_(spin),
         overdue_(shareOverdue(std::move(overdue))) {
     check(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler");
     thread_ = std::thread([this] { loop(); });
@@ -759,7 +763,7 @@ class MpiBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> p2p(MPI_Request q, Tensor buf, std::optional<Tensor> target,
                                      std::string what, c10d::OpType type) {
     return c10::make_intrusive<P2PWork>(q, std::move(buf), std::move(target), std::move(what),
-                                        timeout_, overdue_, type);
+                                        timeout_, spin_, overdue_, type);
   }
 
   // -- running ops --------------------------------------------------------------------------
@@ -797,7 +801,7 @@ class MpiBackend : public c10d::Backend {
       MPI_Request q = MPI_REQUEST_NULL;
       check(op.stages[i](&q), op.name);
       poll(&q, MPI_STATUS_IGNORE, op.name + " on a group of " + std::to_string(size_) + " ranks",
-           op.timeout, *overdue_);
+           op.timeout, spin_, *overdue_);
     }
     if (op.finish) {
       at::NoGradGuard noGrad;  // the outputs may be leaves that require grad (parameters)
@@ -853,6 +857,7 @@ class MpiBackend : public c10d::Backend {
 
   MPI_Comm comm_;
   std::chrono::milliseconds timeout_;
+  std::chrono::microseconds spin_;
   Overdue overdue_;
   std::mutex mu_;
   std::condition_variable cv_;
@@ -865,11 +870,12 @@ class MpiBackend : public c10d::Backend {
 
 // ``handle``: mpi4py's ``Comm.handle``, MPICH's int handle as an unsigned 64-bit number
 c10::intrusive_ptr<c10d::Backend> create(uint64_t handle, int rank, int size, double timeoutS,
-                                         py::function overdue) {
+                                         double spinS, py::function overdue) {
   const auto timeout =
       std::chrono::milliseconds(static_cast<int64_t>(std::llround(timeoutS * 1000)));
+  const auto spin = std::chrono::microseconds(static_cast<int64_t>(std::llround(spinS * 1e6)));
   const auto comm = static_cast<MPI_Comm>(static_cast<uint32_t>(handle));
-  return c10::make_intrusive<MpiBackend>(comm, rank, size, timeout, std::move(overdue));
+  return c10::make_intrusive<MpiBackend>(comm, rank, size, timeout, spin, std::move(overdue));
 }
 
 // The library this module runs on, as MPI names it: launcher/mpi/cxx.py compares it with
@@ -901,7 +907,7 @@ bool useNativeHalf(bool wanted) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("create", &create, "a backend on the MPI communicator with this handle",
         py::arg("handle"), py::arg("rank"), py::arg("size"), py::arg("timeout_s"),
-        py::arg("overdue"));
+        py::arg("spin_s"), py::arg("overdue"));
   m.def("library_version", &libraryVersion);
   m.def("use_native_half", &useNativeHalf, py::arg("wanted"));
   m.def("set_slice_bytes", [](int64_t n) { g_slice_bytes = std::max<int64_t>(1, n); });

@@ -207,6 +207,7 @@ def register(module: ModuleType) -> None:
     import torch.distributed as dist
 
     from launcher.mpi import backend as mpi_backend
+    from launcher.mpi import waiting
 
     if BACKEND_NAME in dist.Backend.backend_list:
         return
@@ -219,7 +220,8 @@ def register(module: ModuleType) -> None:
         def overdue(what: str, elapsed: float) -> None:
             mpi_backend.overdue(what, elapsed, timeout_s, rank)
 
-        return module.create(comm.handle, rank, comm.size, timeout_s, overdue)
+        return module.create(comm.handle, rank, comm.size, timeout_s, waiting.spin_s(comm),
+                             overdue)
 
     dist.Backend.register_backend(BACKEND_NAME, create, extended_api=True,
                                   devices=["cpu", "cuda"])

@@ -66,12 +66,13 @@ class MPIProcessGroup(Reductions, DataMovement, dist.ProcessGroup):
     communicator, name and waits here, the reductions (``launcher.mpi.reductions``) and the
     data movement and point-to-point ops (``launcher.mpi.movement``) from its two bases."""
 
-    def __init__(self, comm: MPI.Intracomm, timeout: timedelta):
+    def __init__(self, comm: MPI.Intracomm, timeout: timedelta, spin_s: float):
         super().__init__(comm.rank, comm.size)
         self._comm = comm
         self._rank_ = comm.rank
         self._size_ = comm.size
         self._timeout_s = timeout.total_seconds()
+        self._spin_s = spin_s
         multiple = MPI.Query_thread() >= MPI.THREAD_MULTIPLE
         self._lock = contextlib.nullcontext() if multiple else threading.Lock()
 
@@ -112,7 +113,7 @@ class MPIProcessGroup(Reductions, DataMovement, dist.ProcessGroup):
         """Poll ``request`` until done (``launcher.mpi.waiting.wait``); ``op`` and ``peer`` (a
         root or point-to-point partner) name the op in the error."""
         waiting.wait(request, self._lock, status, self._timeout_s, op, peer, self._size_,
-                     self._rank_)
+                     self._rank_, self._spin_s)
 
     def run(self, op: str, peer: int | None, start, *args) -> None:
         """Start an op on the communicator (``start(*args)``: an ``I...`` call) and wait for it."""
