@@ -16,4 +16,5 @@ install -m 644 "$keys/id_ed25519.pub" /root/.ssh/
 install -m 600 "$here/ssh_config" /root/.ssh/config
 install -m 600 "$keys/host_ed25519" /etc/ssh/ddp_host_ed25519_key
 install -d -m 755 /run/sshd
+rm -f /run/ddp-logged-in  # healthcheck.sh's: a restarted node logs in again before it is healthy
 exec /usr/sbin/sshd -D -e -f "$here/sshd_config"
