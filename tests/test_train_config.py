@@ -65,13 +65,26 @@ def test_batch_must_divide():
     assert "multiple of 8" in info.value.hint
 
 
-def test_help_answers_without_importing_torch(tmp_path):
-    """`--help` in a fraction of a second: a torch that cannot be imported is never touched."""
-    (tmp_path / "torch").mkdir()
+def without_torch(tmp_path, *args: str) -> subprocess.CompletedProcess:
+    """``python -m launcher.train ARGS`` with a torch that cannot be imported."""
+    (tmp_path / "torch").mkdir(exist_ok=True)
     (tmp_path / "torch" / "__init__.py").write_text("raise ImportError('torch imported')\n")
     env = clean_environ({"PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO_ROOT}"})
-    result = subprocess.run([sys.executable, "-m", "launcher.train", "--help"], env=env,
-                            capture_output=True, text=True, timeout=60)
+    return subprocess.run([sys.executable, "-m", "launcher.train", *args], env=env,
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_a_bad_flag_is_refused_before_torch_is_imported(tmp_path):
+    """Every rank ends at once, not after the second or more that importing torch costs."""
+    result = without_torch(tmp_path, "--lr", "-1")
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.splitlines() == ["[rank 0] error: --lr must be positive, got -1.0",
+                                          "[rank 0] HINT: e.g. --lr 0.05"]
+
+
+def test_help_answers_without_importing_torch(tmp_path):
+    """`--help` in a fraction of a second: a torch that cannot be imported is never touched."""
+    result = without_torch(tmp_path, "--help")
     assert result.returncode == 0, result.stderr
     assert "--metrics METRICS" in result.stdout
     assert "(default: None)" not in result.stdout  # what no value means is in the field's doc

@@ -40,15 +40,12 @@ from launcher.api import checkpoint
 from launcher.core import rank_output
 from launcher.core.curves import Curves
 from launcher.core.defaults import TIMEOUT_S
-from launcher.core.errors import (
-    EXIT_PREEMPTED,
-    LaunchError,
-)
+from launcher.core.errors import EXIT_PREEMPTED, LaunchError, Preempted
 from launcher.core.logging_utils import print_lines
 from launcher.faults import ddp_buckets, exit_status, rank_record
 from launcher.faults.agreement import agree
 from launcher.faults.exits import exit_statuses
-from launcher.faults.preemption import Preempted, PreemptionWatch
+from launcher.faults.preemption import PreemptionWatch
 from launcher.group.process_group import process_group
 from launcher.placement.env import JobEnv
 

@@ -66,6 +66,19 @@ class RankFailed(Exception):
         self.status = status
 
 
+class Preempted(Exception):
+    """Raised once the ranks have agreed to stop and the checkpoint is written."""
+
+    #: on every rank at once (``raised_everywhere``)
+    everywhere = True
+
+    def __init__(self, checkpoint: str, status: int = EXIT_PREEMPTED):
+        super().__init__(f"stopped with exit {status}; checkpoint {checkpoint}")
+        self.checkpoint = checkpoint
+        #: ``EXIT_PREEMPTED``, or ``EXIT_INTERRUPTED`` after Ctrl-C
+        self.status = status
+
+
 class PeerLost(LaunchError):
     """Communication with another rank failed or timed out.
 

@@ -33,11 +33,11 @@ from launcher.core.errors import (
     EXIT_USER_ERROR,
     LaunchError,
     PeerLost,
+    Preempted,
     RankFailed,
     raised_everywhere,
 )
 from launcher.core.run_files import EXIT_STATUS_FILE, LOST_NODES_FILE
-from launcher.faults.preemption import Preempted
 
 
 @contextmanager

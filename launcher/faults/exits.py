@@ -6,18 +6,36 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from launcher.core.errors import EXIT_INTERRUPTED, LaunchError, RankFailed, report_and_exit
-from launcher.faults.failfast import end_process
-from launcher.faults.preemption import Preempted
+from launcher.core.errors import (
+    EXIT_INTERRUPTED,
+    LaunchError,
+    Preempted,
+    RankFailed,
+    report_and_exit,
+)
 from launcher.placement.env import JobEnv, detect_environment
 
 #: seconds a survivor of a lost peer waits between its line and MPI_Abort: Hydra ends the job at
 #: the first abort, and forwards only what it has read by then (16 ranks, a script that prints
 #: and aborts: 5 of 15 survivors' lines arrived with no wait, all 15 after 0.5 s)
 FORWARD_S = 1.0
+
+
+def end_process(status: int, linger_s: float = 0.0) -> None:
+    """End this process with ``status`` now: ``MPI_Abort`` when MPI runs (the launcher then
+    ends every rank), after ``linger_s`` for the launcher to forward what was just printed;
+    else ``os._exit`` (no teardown that could wait for a failed peer)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        time.sleep(linger_s)
+        mpi.COMM_WORLD.Abort(status)
+    os._exit(status)
 
 
 def _peer_lost_end(env: JobEnv | None) -> Callable[[int], None]:

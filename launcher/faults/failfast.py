@@ -209,16 +209,3 @@ def _open_channel(env: JobEnv, store: dist.Store | None) -> SideChannel:
     from launcher.faults.side_mpi import MpiSideChannel
 
     return MpiSideChannel(env, MPI.COMM_WORLD)
-
-
-def end_process(status: int, linger_s: float = 0.0) -> None:
-    """End this process with ``status`` now: ``MPI_Abort`` when MPI runs (the launcher then
-    ends every rank), after ``linger_s`` for the launcher to forward what was just printed;
-    else ``os._exit`` (no teardown that could wait for a failed peer)."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    mpi = sys.modules.get("mpi4py.MPI")
-    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
-        time.sleep(linger_s)
-        mpi.COMM_WORLD.Abort(status)
-    os._exit(status)

@@ -35,19 +35,6 @@ INTERRUPT_GRACE_S = 5.0
 _RUNNING, _PREEMPT, _INTERRUPT = 0, 1, 2
 
 
-class Preempted(Exception):
-    """Raised once the ranks have agreed to stop and the checkpoint is written."""
-
-    #: on every rank at once (``launcher.core.errors.raised_everywhere``)
-    everywhere = True
-
-    def __init__(self, checkpoint: str, status: int = EXIT_PREEMPTED):
-        super().__init__(f"stopped with exit {status}; checkpoint {checkpoint}")
-        self.checkpoint = checkpoint
-        #: ``EXIT_PREEMPTED``, or ``EXIT_INTERRUPTED`` after Ctrl-C
-        self.status = status
-
-
 class PreemptionWatch:
     """Catches the preemption signal, SIGTERM and SIGINT while active (a context manager)."""
 

@@ -12,7 +12,7 @@ and always ends the group again, also when the body raises. What leaves the body
   (``launcher.faults.peer_lost``);
 - any other exception, raised on this rank alone: it is reported here and on every other rank
   (``launcher.faults.failfast``) and comes out as ``RankFailed``: end the process at once with
-  ``launcher.faults.failfast.end_process``.
+  ``launcher.faults.exits.end_process``.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from launcher.core.defaults import TIMEOUT_S
 from launcher.core.errors import PeerLost, RankFailed, raised_everywhere
-from launcher.faults import failfast, flight_recorder, hang_watch, heartbeat
+from launcher.faults import exits, failfast, flight_recorder, hang_watch, heartbeat
 from launcher.faults.peer_lost import diagnose, is_communication_failure
 from launcher.group.backends import MPI4PY, BackendFacts, BackendPlan, plan
 from launcher.group.gpu_sharing import nccl_unless_gpus_are_shared
@@ -106,7 +106,7 @@ def process_group(
     beat = watchdog.heartbeat
     flight_recorder.install()
     watch = hang_watch.start(watchdog.channel, run_dir, timeout_s,
-                             beat.silent if beat is not None else list, failfast.end_process,
+                             beat.silent if beat is not None else list, exits.end_process,
                              heartbeat.FOUND_SILENT_S)
     heartbeat.watch_waits(beat, watch)
     healthy = True
@@ -127,7 +127,7 @@ def process_group(
         raise RankFailed(watchdog.fail(exc)) from None
     finally:
         # a lost or failed peer may hold up an orderly tear-down: the caller ends the process
-        # instead (launcher.core.errors.report_and_exit, launcher.faults.failfast.end_process);
+        # instead (launcher.core.errors.report_and_exit, launcher.faults.exits.end_process);
         # its watchers are told it left, so that no survivor names it as a lost node
         if not healthy and beat is not None:
             beat.leave(failed=True)

@@ -10,16 +10,22 @@ again: ``--resume auto`` continues where it stopped).
 
 from __future__ import annotations
 
-from launcher.api.job import Job, distributed
-from launcher.core.logging_utils import parameter_sha256
+from typing import TYPE_CHECKING
+
 from launcher.faults.exits import exit_statuses
 from launcher.training.config import TrainConfig, parse_args
-from launcher.training.setup import build_trainer
+
+if TYPE_CHECKING:
+    from launcher.api.job import Job
 
 
 def main(argv: list[str] | None = None) -> None:
     with exit_statuses() as env:
         config = parse_args(argv)
+        # torch only from here on: a bad flag above ends every rank in a tenth of a second,
+        # not after the second or more that importing torch costs each of them
+        from launcher.api.job import distributed
+
         with distributed(config.backend, config.timeout_s, config.run_dir, env) as job:
             train(config, job)
 
@@ -27,6 +33,9 @@ def main(argv: list[str] | None = None) -> None:
 def train(config: TrainConfig, job: Job) -> None:
     """Build, fit, print the parameter hash. The trainer (and its DDP wrapper) lives in this
     frame only, so it is gone before the process group is torn down."""
+    from launcher.core.logging_utils import parameter_sha256
+    from launcher.training.setup import build_trainer
+
     trainer = build_trainer(config, job)
     try:
         trainer.fit()
