@@ -31,6 +31,30 @@ def test_rank_0_passes_through_and_the_file_gets_everything(tmp_path, monkeypatc
     assert body == "\r[##..] 1/2done\n"
 
 
+class Flushes(io.StringIO):
+    """An inner stream that keeps what each flush would send to the job log."""
+
+    def __init__(self):
+        super().__init__()
+        self.sent, self._from = [], 0
+
+    def flush(self):
+        if self.tell() > self._from:
+            self.sent.append(self.getvalue()[self._from:])
+            self._from = self.tell()
+
+
+def test_rank_0s_printed_line_goes_out_with_its_newline(tmp_path, monkeypatch):
+    """print() writes a line and its newline apart: sent apart, another rank's line could land
+    between them in the job log (issue 36's acceptance test saw it once under mpiexec)."""
+    inner = Flushes()
+    monkeypatch.setattr(sys, "stderr", inner)
+    with rank_output.teed(tmp_path, rank=0, world_size=4, node="n0"):
+        print("[rank 0] hang: rank 2 ...", file=sys.stderr, flush=True)
+        sys.stderr.write("\r[#.] 1/2")
+    assert inner.sent == ["[rank 0] hang: rank 2 ...\n", "\r[#.] 1/2"]
+
+
 def test_other_ranks_lines_are_labelled_whole(tmp_path, monkeypatch):
     inner = io.StringIO()
     monkeypatch.setattr(sys, "stderr", inner)

@@ -50,13 +50,18 @@ class _Tee(io.TextIOBase):
     def _write(self, text: str) -> None:
         self._log.write(text)
         self._log.flush()
-        if not self._prefix:  # as it is, partial lines too (a progress bar redrawn with \r)
+        if not self._prefix:
+            # as it is, partial lines too (a progress bar redrawn with \r), but out only at a
+            # line's or a redraw's end: print() writes a line and its newline apart, and sent
+            # apart, another rank's line may land between the two in the job log
             self._inner.write(text)
-        else:
-            # whole lines in one write: under mpiexec that keeps another rank's out of them
-            *lines, self._pending = (self._pending + text).split("\n")
-            if lines:
-                self._inner.write("".join(f"{self._prefix}{line}\n" for line in lines))
+            if "\n" in text or "\r" in text:
+                self._inner.flush()
+            return
+        # whole lines in one write: under mpiexec that keeps another rank's out of them
+        *lines, self._pending = (self._pending + text).split("\n")
+        if lines:
+            self._inner.write("".join(f"{self._prefix}{line}\n" for line in lines))
         self._inner.flush()
 
     def flush(self) -> None:
