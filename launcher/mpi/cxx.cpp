@@ -41,9 +41,8 @@ using Clock = std::chrono::steady_clock;
 constexpr const char* kName = "mpi_cxx";
 // polls of a request before each further poll gives up the CPU (MPICH spins about as long)
 constexpr int kPollsBeforeYield = 50;
-// a wait longer than this sleeps between polls (at most kMaxPause), not to burn a shared core;
-// a group whose node has more ranks than CPUs gets no spin at all (waiting.spin_s decides)
-constexpr auto kSpin = std::chrono::milliseconds(10);
+// a wait longer than its group's spin (waiting.spin_s: 10 ms, none where a node's ranks
+// outnumber its CPUs) sleeps between polls, at most kMaxPause, not to burn a shared core
 constexpr auto kMaxPause = std::chrono::microseconds(200);
 // how often the timeout callback is asked again while every peer still beats
 constexpr auto kOverdueEvery = std::chrono::seconds(1);
