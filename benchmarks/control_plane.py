@@ -1,34 +1,41 @@
-"""The control plane's cost as the job grows: today's all-to-all heartbeats against the side
-channel's watch topology (``launcher.faults.side_store``), side by side in one run.
+"""The control plane's cost as the job grows: three designs of the heartbeats side by side in
+one run.
 
     python -m benchmarks.control_plane [--ranks 8 64 256 1024] [--seconds 6] \
         [--json benchmarks/results/control-plane.json]
 
+- **all-to-all** (before issue #35): every rank sets its counter in rank 0's store and reads
+  every rank's, each beat, on a client of its own (three connections per rank to rank 0).
+- **store watch** (issue #35's first step): each rank sets its counter and reads its two
+  watched peers', its mailbox and the broadcast key: 2 calls per rank per beat, still at
+  rank 0.
+- **peer to peer** (today, ``launcher.faults.side_socket``): each rank's beat goes straight to
+  its two watchers over TCP; the store serves the start only.
+
 Simulated ranks are threads of this process; the rendezvous store is a real TCPStore served by
-a process of its own (as rank 0's store is served beside its training). Each simulated rank
-opens what a rank of that design opens (today: the rendezvous client, the heartbeat's client and
-the fail-fast watcher's client; the side channel: the rendezvous client and the channel's
-client) and beats every ``heartbeat.BEAT_S`` with a random phase. Measured over ``--seconds``
-after a warm-up:
+a process of its own (as rank 0's store is served beside its training). Measured over
+``--seconds`` after a warm-up:
 
-- the store's process (the busiest one, rank 0 in a job): CPU seconds per second (its threads'
-  /proc/PID/task/*/schedstat), bytes per second through its sockets (/proc/PID/io), store calls
-  per second
-  it serves, and its connections (its sockets, from /proc/PID/fd);
-- per rank: CPU seconds per second of its beating thread (``time.thread_time``), calls and keys
-  per second;
-- the share of the beats that were on time (a store that cannot keep up delays them).
+- the busiest process: for the store designs the store's (its threads' CPU from
+  /proc/PID/task/*/schedstat, its bytes from /proc/PID/io, its sockets from /proc/PID/fd, the
+  calls it serves); peer to peer, the simulated rank whose threads (beating, reading, handling)
+  used the most CPU, and the messages it took;
+- per rank: the median CPU seconds per second of its threads, its messages per second;
+- the share of the beats on time; peer to peer, how long a broadcast (a failure notice) takes
+  to reach every rank: the first (which connects to the tree neighbours as it goes, as a real
+  notice does) and, in the JSON, the median of two more.
 
-The model: the store's CPU per call and per key read, fitted (least squares) on all the points
-of both designs, then applied to each design's calls and keys at 10,000 and 100,000 ranks; per
-rank, the median thread CPU per beat. Table, JSON and a PNG plot beside the JSON.
+The model: for the store designs the store's CPU per call and per key read, fitted (least
+squares) on their measured rows; peer to peer, the busiest rank's CPU and the notice's time
+fitted as a + b N and a + b log2 N. Applied at 10,000 and 100,000 ranks. Table, JSON and a PNG
+plot beside the JSON.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
+import math
 import random
 import statistics
 import subprocess
@@ -41,58 +48,92 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from benchmarks.control_plane_fit import busiest_fit, extrapolate, notice_fit, store_fit
 from launcher.faults import heartbeat
-from launcher.faults.side_store import StoreSideChannel
+from launcher.faults.side_socket import SocketSideChannel
 from launcher.placement.env import detect_environment
 
 RANKS_PER_NODE = 8
-EXTRAPOLATE = (10_000, 100_000)
 _SERVE = ("import sys, time, torch.distributed as d; "
           "s = d.TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False); "
           "print(s.port, flush=True); sys.stdin.read()")
+_NOTICE = "bench.notice"
 
 
-class TodaysBeats:
-    """Today's design (launcher/heartbeat.py's StoreBeats before the side channel): every rank
-    sets its counter and reads every rank's, each beat, on a client of its own."""
+def _client(port: int) -> dist.TCPStore:
+    return dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=300))
+
+
+class AllToAll:
+    """Every rank sets its counter and reads every rank's, each beat, on a client of its own;
+    the fail-fast watcher holds a third connection."""
+
+    store_calls = 2
 
     def __init__(self, rank: int, size: int, port: int):
         self._client = _client(port)
         self._key = f"hb/{rank}"
         self._keys = [f"hb/{other}" for other in range(size)]
         self._client.set(self._key, "0")
-        self._client.wait(self._keys, timedelta(seconds=120))
+        self._client.wait(self._keys, timedelta(seconds=300))
         self._count = 0
-        self.calls, self.keys = 2, size + 1
-        self.watcher = _client(port)  # the fail-fast watcher's connection
+        self.store_keys = size + 1
+        self.watcher = _client(port)
+        self.rendezvous = _client(port)
 
-    def exchange(self) -> set[int]:
+    def exchange(self) -> None:
         self._count += 1
         self._client.set(self._key, str(self._count))
         self._client.multi_get(self._keys)
-        return set()
 
 
-class ChannelBeats:
-    """The side channel's beat: one set and one multi_get of the watched ranks' keys."""
+class StoreWatch(AllToAll):
+    """One set and one multi_get of the two watched ranks' counters, the mailbox and the
+    broadcast key, on one client beside the rendezvous'."""
+
+    def __init__(self, rank: int, size: int, port: int):
+        self._client = _client(port)
+        self._key = f"hb/{rank}"
+        self._keys = [f"hb/{(rank - 1) % size}", f"hb/{(rank - 2) % size}", f"box/{rank}",
+                      "all"]
+        self._client.multi_set([self._key, f"box/{rank}", "all"], ["0", "", ""])
+        self._count = 0
+        self.store_keys = 1 + len(self._keys)
+        self.rendezvous = _client(port)
+
+
+class PeerToPeer:
+    """The side channel as a rank opens it (``launcher.faults.side_socket``)."""
+
+    store_calls = store_keys = 0
 
     def __init__(self, rank: int, size: int, port: int):
         hosts = tuple(f"node{n}" for n in range(-(-size // RANKS_PER_NODE)))
         env = replace(detect_environment({}, hostname="sim"), rank=rank, world_size=size,
                       node_rank=rank // RANKS_PER_NODE, hosts=hosts, master_addr="127.0.0.1",
                       master_port=port)
-        self._channel = StoreSideChannel(env, None)
-        self.calls, self.keys = 2, 1 + len(self._channel.watch.watched) + 2
+        self.rendezvous = _client(port)
+        self.channel = SocketSideChannel(env)
+        self.notice_at: float | None = None
+        self.channel.on(_NOTICE, self._noticed)
 
-    def exchange(self) -> set[int]:
-        return self._channel.exchange()
+    def _noticed(self, _message) -> None:
+        self.notice_at = time.monotonic()
+
+    def exchange(self) -> None:
+        self.channel.exchange()
+
+    def threads_cpu(self) -> float:
+        """CPU seconds of the channel's own threads (reading, handling)."""
+        return sum(_thread_cpu(thread.native_id) for thread in self.channel.threads)
 
 
-DESIGNS = {"today (all-to-all)": TodaysBeats, "side channel (watch)": ChannelBeats}
+DESIGNS = {"all-to-all": AllToAll, "store watch": StoreWatch, "peer to peer": PeerToPeer}
 
 
-def _client(port: int) -> dist.TCPStore:
-    return dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=120))
+def _thread_cpu(native_id: int) -> float:
+    path = Path(f"/proc/self/task/{native_id}/schedstat")
+    return int(path.read_text().split()[0]) / 1e9 if path.exists() else 0.0
 
 
 def _proc(pid: int) -> dict[str, float]:
@@ -100,75 +141,9 @@ def _proc(pid: int) -> dict[str, float]:
                     for task in Path(f"/proc/{pid}/task").iterdir())
     io = dict(line.split(": ") for line in Path(f"/proc/{pid}/io").read_text().splitlines())
     sockets = sum(1 for fd in Path(f"/proc/{pid}/fd").iterdir()
-                  if os.readlink(fd).startswith("socket:"))
+                  if fd.is_symlink() and fd.readlink().name.startswith("socket:"))
     return {"cpu": on_cpu_ns / 1e9,
             "bytes": int(io["rchar"]) + int(io["wchar"]), "sockets": sockets}
-
-
-def measure(design: str, size: int, seconds: float) -> dict:
-    """One design at ``size`` simulated ranks against a fresh store process."""
-    server = subprocess.Popen([sys.executable, "-c", _SERVE], stdout=subprocess.PIPE,
-                              stdin=subprocess.PIPE, text=True)
-    try:
-        port = int(server.stdout.readline())
-        rendezvous = [None] * size
-        ranks = [None] * size
-
-        def open_rank(rank: int) -> None:
-            rendezvous[rank] = _client(port)
-            ranks[rank] = DESIGNS[design](rank, size, port)
-
-        _all_threads([threading.Thread(target=open_rank, args=(r,)) for r in range(size)])
-        stop = threading.Event()
-        begin, end = time.monotonic() + 2 * heartbeat.BEAT_S, time.monotonic() + 2 * \
-            heartbeat.BEAT_S + seconds
-        cpu = [0.0] * size
-        beats = [0] * size
-        late = [0] * size
-
-        def beat(rank: int) -> None:
-            due = time.monotonic() + random.random() * heartbeat.BEAT_S
-            while not stop.is_set():
-                time.sleep(max(0.0, due - time.monotonic()))
-                started, used = time.monotonic(), time.thread_time()
-                ranks[rank].exchange()
-                if begin <= started < end:
-                    cpu[rank] += time.thread_time() - used
-                    beats[rank] += 1
-                    late[rank] += started - due > heartbeat.BEAT_S / 2
-                due += heartbeat.BEAT_S
-                if due < time.monotonic():  # behind: the next beat now, counted late
-                    due = time.monotonic()
-
-        threads = [threading.Thread(target=beat, args=(r,), daemon=True) for r in range(size)]
-        for thread in threads:
-            thread.start()
-        time.sleep(max(0.0, begin - time.monotonic()))
-        before = _proc(server.pid)
-        time.sleep(seconds)
-        after = _proc(server.pid)
-        stop.set()
-        for thread in threads:
-            thread.join(timeout=30)
-    finally:
-        server.kill()
-        server.wait()
-    one = ranks[0]
-    total_beats = sum(beats)
-    return {
-        "design": design, "ranks": size,
-        "store_cpu_s_per_s": (after["cpu"] - before["cpu"]) / seconds,
-        "store_bytes_per_s": (after["bytes"] - before["bytes"]) / seconds,
-        "store_calls_per_s": total_beats * one.calls / seconds,
-        "store_keys_per_s": total_beats * one.keys / seconds,
-        # less the listening socket and both ends of the store's own client
-        "store_connections": before["sockets"] - 3,
-        "rank_calls_per_s": total_beats * one.calls / seconds / size,
-        "rank_cpu_s_per_s": statistics.median(cpu) / seconds,
-        "rank_connections_to_store": (before["sockets"] - 3) / size,
-        "beats_on_time": 1 - sum(late) / max(1, total_beats),
-        "beats_done": total_beats / (size * seconds / heartbeat.BEAT_S),
-    }
 
 
 def _all_threads(threads: list[threading.Thread]) -> None:
@@ -178,57 +153,137 @@ def _all_threads(threads: list[threading.Thread]) -> None:
         thread.join()
 
 
-def model(rows: list[dict]) -> dict:
-    """The store's CPU per call and per key, least squares through the origin on all rows."""
-    pairs = [(row["store_calls_per_s"], row["store_keys_per_s"], row["store_cpu_s_per_s"])
-             for row in rows]
-    scc = sum(c * c for c, _, _ in pairs)
-    skk = sum(k * k for _, k, _ in pairs)
-    sck = sum(c * k for c, k, _ in pairs)
-    scy = sum(c * y for c, _, y in pairs)
-    sky = sum(k * y for _, k, y in pairs)
-    det = scc * skk - sck * sck
-    per_call = (scy * skk - sky * sck) / det
-    per_key = (scc * sky - sck * scy) / det
-    return {"cpu_s_per_call": max(per_call, 0.0), "cpu_s_per_key": max(per_key, 0.0)}
+class Beating:
+    """Every simulated rank's beating thread, with a random phase, and what it measured."""
+
+    def __init__(self, ranks: list, begin: float, end: float):
+        self._ranks, self._begin, self._end = ranks, begin, end
+        size = len(ranks)
+        self.cpu, self.beats, self.late = [0.0] * size, [0] * size, [0] * size
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._beat, args=(r,), daemon=True)
+                         for r in range(size)]
+        for thread in self._threads:
+            thread.start()
+
+    def _beat(self, rank: int) -> None:
+        due = time.monotonic() + random.random() * heartbeat.BEAT_S
+        while not self._stop.is_set():
+            time.sleep(max(0.0, due - time.monotonic()))
+            started, used = time.monotonic(), time.thread_time()
+            self._ranks[rank].exchange()
+            if self._begin <= started < self._end:
+                self.cpu[rank] += time.thread_time() - used
+                self.beats[rank] += 1
+                self.late[rank] += started - due > heartbeat.BEAT_S / 2
+            due += heartbeat.BEAT_S
+            if due < time.monotonic():  # behind: the next beat now, counted late
+                due = time.monotonic()
+
+    def stop(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=30)
 
 
-def extrapolate(rows: list[dict], fit: dict) -> list[dict]:
-    out = []
-    for design in DESIGNS:
-        mine = [row for row in rows if row["design"] == design]
-        largest = max(mine, key=lambda row: row["ranks"])
-        keys_per_rank = largest["store_keys_per_s"] / largest["ranks"]
-        calls_per_rank = largest["store_calls_per_s"] / largest["ranks"]
-        cpu_per_beat = statistics.median(row["rank_cpu_s_per_s"] for row in mine)
-        for size in EXTRAPOLATE:
-            keys = size * (size + 1) if design.startswith("today") else size * keys_per_rank
-            calls = size * calls_per_rank
-            out.append({
-                "design": design, "ranks": size, "modelled": True,
-                "store_cpu_s_per_s": calls * fit["cpu_s_per_call"] + keys * fit["cpu_s_per_key"],
-                "store_calls_per_s": calls, "store_keys_per_s": keys,
-                "store_connections": size * (3 if design.startswith("today") else 2),
-                "rank_cpu_s_per_s": cpu_per_beat * (size / largest["ranks"]
-                                                    if design.startswith("today") else 1),
-            })
-    return out
+def _notice_s(ranks: list[PeerToPeer]) -> float:
+    """How long one broadcast from a random rank takes to reach every other rank."""
+    origin = random.randrange(len(ranks))
+    for rank in ranks:
+        rank.notice_at = None
+    sent = time.monotonic()
+    ranks[origin].channel.broadcast(_NOTICE, b"rank failed")
+    deadline = sent + 30
+    while time.monotonic() < deadline and any(
+            rank.notice_at is None for index, rank in enumerate(ranks) if index != origin):
+        time.sleep(0.005)
+    arrived = [rank.notice_at for index, rank in enumerate(ranks) if index != origin]
+    return max(at - sent for at in arrived) if None not in arrived else float("nan")
+
+
+def measure(design: str, size: int, seconds: float) -> dict:
+    """One design at ``size`` simulated ranks against a fresh store process."""
+    server = subprocess.Popen([sys.executable, "-c", _SERVE], stdout=subprocess.PIPE,
+                              stdin=subprocess.PIPE, text=True)
+    ranks: list = [None] * size
+    try:
+        port = int(server.stdout.readline())
+
+        def open_rank(rank: int) -> None:
+            ranks[rank] = DESIGNS[design](rank, size, port)
+
+        _all_threads([threading.Thread(target=open_rank, args=(r,)) for r in range(size)])
+        warm = 2 * heartbeat.BEAT_S
+        begin = time.monotonic() + warm
+        beating = Beating(ranks, begin, begin + seconds)
+        time.sleep(warm)
+        peer = design == "peer to peer"
+        threads_before = [rank.threads_cpu() for rank in ranks] if peer else []
+        before = _proc(server.pid)
+        time.sleep(seconds)
+        after = _proc(server.pid)
+        threads_after = [rank.threads_cpu() for rank in ranks] if peer else []
+        beating.stop()
+        notices = [_notice_s(ranks) for _ in range(3)] if peer else []
+    finally:
+        for rank in ranks:
+            if isinstance(rank, PeerToPeer):
+                rank.channel.close()
+        server.kill()
+        server.wait()
+    return _row(design, size, seconds, ranks[0], beating, before, after,
+                [b - a for a, b in zip(threads_before, threads_after, strict=True)], notices)
+
+
+def _row(design, size, seconds, one, beating, before, after, threads_cpu, notices) -> dict:
+    total_beats = sum(beating.beats)
+    rank_cpu = [(cpu + (threads_cpu[rank] if threads_cpu else 0.0)) / seconds
+                for rank, cpu in enumerate(beating.cpu)]
+    store_cpu = (after["cpu"] - before["cpu"]) / seconds
+    # less the listening socket and both ends of the store's own client
+    store_connections = before["sockets"] - 3
+    watchers = 2
+    row = {
+        "design": design, "ranks": size,
+        "store_cpu_s_per_s": store_cpu,
+        "store_bytes_per_s": (after["bytes"] - before["bytes"]) / seconds,
+        "store_calls_per_s": total_beats * one.store_calls / seconds,
+        "store_keys_per_s": total_beats * one.store_keys / seconds,
+        "store_connections": store_connections,
+        "rank_cpu_s_per_s": statistics.median(rank_cpu),
+        "beats_on_time": 1 - sum(beating.late) / max(1, total_beats),
+        "beats_done": total_beats / (size * seconds / heartbeat.BEAT_S),
+    }
+    if design == "peer to peer":
+        # each beat is a message out and one into a watcher; two of each per rank
+        # the first broadcast makes its connections as it goes, as a failure notice does
+        row.update(busiest_cpu_s_per_s=max(rank_cpu),
+                   busiest_messages_per_s=2 * watchers * total_beats / size / seconds,
+                   busiest_connections=2 * watchers, notice_s=notices[0],
+                   notice_again_s=statistics.median(notices[1:]))
+    else:
+        row.update(busiest_cpu_s_per_s=store_cpu,
+                   busiest_messages_per_s=row["store_calls_per_s"],
+                   busiest_connections=store_connections)
+    return row
 
 
 def table(rows: list[dict]) -> str:
-    head = (f"{'design':22} {'ranks':>7} {'store CPU':>10} {'store calls/s':>13} "
-            f"{'store keys/s':>13} {'store B/s':>10} {'conns':>6} {'rank CPU':>9} "
-            f"{'on time':>8}")
+    head = (f"{'design':13} {'ranks':>7} {'busiest CPU':>11} {'its msgs/s':>10} "
+            f"{'its conns':>9} {'store keys/s':>13} {'rank CPU':>9} {'on time':>7} "
+            f"{'notice':>8}")
     lines = [head, "-" * len(head)]
     for row in rows:
         mark = "~" if row.get("modelled") else " "
+        notice = row.get("notice_s")
         lines.append(
-            f"{row['design']:22} {row['ranks']:>7}{mark}{row['store_cpu_s_per_s']:>9.2%} "
-            f"{row['store_calls_per_s']:>13,.0f} {row['store_keys_per_s']:>13,.0f} "
-            f"{row.get('store_bytes_per_s', float('nan')):>10,.0f} "
-            f"{row['store_connections']:>6} {row['rank_cpu_s_per_s']:>9.3%} "
-            f"{row.get('beats_on_time', float('nan')):>8.0%}")
-    lines.append("~: by the model (store CPU per call and per key fitted on the measured rows)")
+            f"{row['design']:13} {row['ranks']:>7}{mark}{row['busiest_cpu_s_per_s']:>10.3%} "
+            f"{row['busiest_messages_per_s']:>10,.0f} {row['busiest_connections']:>9,} "
+            f"{row['store_keys_per_s']:>13,.0f} {row['rank_cpu_s_per_s']:>9.3%} "
+            f"{row.get('beats_on_time', float('nan')):>7.0%} "
+            + (f"{notice * 1e3:>6.0f}ms" if notice is not None else f"{'-':>8}"))
+    lines.append("busiest: the store's process (rank 0's) for the store designs, the busiest "
+                 "rank peer to peer; notice: a broadcast to every rank; ~: by the model")
     return "\n".join(lines)
 
 
@@ -242,8 +297,8 @@ def plot(rows: list[dict], path: Path) -> None:
     for design in DESIGNS:
         mine = sorted((row for row in rows if row["design"] == design),
                       key=lambda row: row["ranks"])
-        axes.plot([row["ranks"] for row in mine], [row["store_cpu_s_per_s"] for row in mine],
-                  marker="o", label=f"{design}: store (busiest)")
+        axes.plot([row["ranks"] for row in mine], [row["busiest_cpu_s_per_s"] for row in mine],
+                  marker="o", label=f"{design}: busiest process")
         axes.plot([row["ranks"] for row in mine], [row["rank_cpu_s_per_s"] for row in mine],
                   marker="x", linestyle="--", label=f"{design}: per rank")
     axes.axhline(0.01, color="grey", linewidth=0.8)
@@ -267,14 +322,20 @@ def main(argv: list[str] | None = None) -> None:
         for design in DESIGNS:
             rows.append(measure(design, size, args.seconds))
             print(table(rows[-1:]).splitlines()[2], flush=True)
-    fit = model(rows)
-    rows += extrapolate(rows, fit)
+    fits = {"store": store_fit([row for row in rows if row["design"] != "peer to peer"]),
+            "busiest": busiest_fit([row for row in rows if row["design"] == "peer to peer"]),
+            "notice": notice_fit([row for row in rows if row["design"] == "peer to peer"])}
+    rows += extrapolate(rows, fits)
     print(table(rows))
-    print(f"model: {fit['cpu_s_per_call'] * 1e6:.1f} us per store call, "
-          f"{fit['cpu_s_per_key'] * 1e9:.0f} ns per key read")
+    store, busy, notice = fits["store"], fits["busiest"], fits["notice"]
+    print(f"model: store {store['cpu_s_per_call'] * 1e6:.1f} us per call, "
+          f"{store['cpu_s_per_key'] * 1e9:.0f} ns per key read; peer to peer busiest rank "
+          f"{busy['a'] * 100:.3f} % + {busy['b'] * 100:.2e} % per rank; notice "
+          f"{notice['a'] * 1e3:.1f} ms + {notice['b'] * 1e3:.2f} ms per doubling "
+          f"({math.log2(10_000):.1f} doublings at 10,000)")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"rows": rows, "model": fit}, indent=1) + "\n")
+        args.json.write_text(json.dumps({"rows": rows, "model": fits}, indent=1) + "\n")
         plot(rows, args.json.with_suffix(".png"))
 
 

@@ -228,21 +228,28 @@ def test_binding_benchmark_compares_none_and_auto(tmp_path):
     assert out.with_suffix(".png").stat().st_size > 0
 
 
-def test_control_plane_benchmark_puts_both_designs_side_by_side(tmp_path):
+def test_control_plane_benchmark_puts_the_three_designs_side_by_side(tmp_path):
     out = tmp_path / "control-plane.json"
     result = subprocess.run(
         [sys.executable, "-m", "benchmarks.control_plane", "--ranks", "4", "8", "--seconds",
          "2", "--json", str(out)], capture_output=True, text=True, timeout=300, cwd=REPO_ROOT)
     assert result.returncode == 0, result.stderr
     rows = json.loads(out.read_text())["rows"]
+    designs = ("all-to-all", "store watch", "peer to peer")
     measured = {(row["design"], row["ranks"]) for row in rows if not row.get("modelled")}
-    assert measured == {(design, size) for design in ("today (all-to-all)",
-                                                      "side channel (watch)") for size in (4, 8)}
+    assert measured == {(design, size) for design in designs for size in (4, 8)}
     by = {(row["design"], row["ranks"]): row for row in rows}
-    # today every rank reads every key; the side channel a handful, whatever the size
-    assert by["today (all-to-all)", 100_000]["store_keys_per_s"] > 1e9
-    assert by["side channel (watch)", 100_000]["store_keys_per_s"] < 1e6
-    assert by["side channel (watch)", 8]["store_connections"] == 16  # 2 per rank
-    assert by["today (all-to-all)", 8]["store_connections"] == 24  # 3 per rank
+    # all-to-all every rank reads every key; the watch a handful; peer to peer none
+    assert by["all-to-all", 100_000]["store_keys_per_s"] > 1e9
+    assert by["store watch", 100_000]["store_keys_per_s"] < 1e6
+    assert by["peer to peer", 8]["store_keys_per_s"] == 0
+    assert by["store watch", 8]["store_connections"] == 16  # 2 per rank
+    assert by["all-to-all", 8]["store_connections"] == 24  # 3 per rank
+    # peer to peer the store keeps the rendezvous' connections alone, and the busiest
+    # process takes the same few messages per second at every size
+    assert by["peer to peer", 8]["store_connections"] == 8
+    assert by["peer to peer", 100_000]["busiest_messages_per_s"] < 10
+    assert 0 < by["peer to peer", 8]["notice_s"] < 5
+    assert by["peer to peer", 8]["beats_done"] > 0.5
     assert out.with_suffix(".png").exists()
-    assert "side channel (watch)" in result.stdout
+    assert "peer to peer" in result.stdout

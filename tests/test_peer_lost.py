@@ -101,38 +101,6 @@ def test_a_survivor_names_every_rank_of_a_lost_node_not_the_first_found(monkeypa
     assert silent == [2, 3]
 
 
-class _StoppedStore(_Beats):
-    """The store's host stops after the first beats: an exchange then never returns."""
-
-    def __init__(self):
-        super().__init__({0, 1, 2})
-        self.calls = 0
-        self.stopped = threading.Event()
-
-    def exchange(self) -> set[int]:
-        self.calls += 1
-        if self.calls > 2:
-            self.stopped.wait()  # SIGSTOP: no answer, not even the client's timeout
-        return self.alive
-
-
-def test_a_store_that_stops_answering_is_rank_0_silent(monkeypatch):
-    monkeypatch.setattr(heartbeat, "SILENT_S", 0.5)
-    monkeypatch.setattr(heartbeat, "BEAT_S", 0.05)
-    env = dataclasses.replace(detect_environment({}, hostname="box"), rank=1, world_size=3)
-    beats = _StoppedStore()
-    beat = heartbeat.Heartbeat(env, beats)
-    try:
-        time.sleep(0.2)  # the store stops; a collective fails afterwards
-        silent = beat.settle()
-        lost = beat.lost("the all_reduce failed", silent)
-    finally:
-        beats.stopped.set()
-        beat.close()
-    assert silent == [0]  # not ranks 1 and 2, whose beats only the store could carry
-    assert "rank 0's rendezvous store" in lost.message and lost.nodes == ("n0",)
-
-
 def test_overdue_waits_on_peers_that_beat_and_names_silent_ones(monkeypatch):
     monkeypatch.setattr(heartbeat, "SILENT_S", 0.5)
     monkeypatch.setattr(heartbeat, "BEAT_S", 0.05)
@@ -199,10 +167,7 @@ def test_survivors_exit_naming_the_lost_rank(tmp_path, victim):
             assert time.monotonic() - killed_at < 60
             assert f"[rank {rank}] error: rank {rank} on " in stderr
             assert "Traceback" not in stderr
-            if victim == 0:
-                assert "rank 0's rendezvous store" in stderr and "does not answer" in stderr
-            else:
-                assert f"rank {victim} (" in stderr, stderr
+            assert f"no heartbeat for 5 s from rank {victim} (" in stderr, stderr
             assert "HINT:" in stderr and "--resume auto" in stderr
         # for the batch script (launcher.faults.exit_status): one line, written by the survivors
         written = (tmp_path / "exit-status").read_text()

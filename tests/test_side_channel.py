@@ -1,44 +1,73 @@
-"""The side channel over a real TCPStore (``launcher.faults.side_store``): simulated ranks as
-threads, each with its own channel, as the ranks of a job open theirs. What the hang
-diagnosis and the fail-fast watchdog rely on: messages to one rank, broadcasts to all others
-exactly once, posts read on demand, beats heard only by the watchers.
+"""The side channel over TCP (``launcher.faults.side_socket``): simulated ranks as threads, each
+with its own channel, as the ranks of a job open theirs against a real rendezvous store. What
+the hang diagnosis and the fail-fast watchdog rely on: messages to one rank, broadcasts to all
+others exactly once, posts read on demand, beats heard only by the watchers; and what the
+transport itself promises: nothing through the store once open, a rank that ended is gone
+without stopping the others, a port the ranks cannot reach is an error on every rank.
 """
 
 from __future__ import annotations
 
 import gc
+import socket
 import threading
+import time
 from dataclasses import replace
 
 import pytest
 import torch.distributed as dist
 
-from launcher.faults.side_channel import ChannelGone
-from launcher.faults.side_store import StoreSideChannel
+from launcher.core.errors import LaunchError
+from launcher.faults import side_socket
+from launcher.faults.side_channel import ChannelGone, forwards
+from launcher.faults.side_peer import neighbours
+from launcher.faults.side_socket import SocketSideChannel
 from launcher.placement.env import detect_environment
 
 WORLD = 6
 
 
-@pytest.fixture
-def channels():
-    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    opened: list[StoreSideChannel | None] = [None] * WORLD
+def _env(rank: int, port: int, world: int = WORLD):
+    return replace(detect_environment({}, hostname="sim"), rank=rank, world_size=world,
+                   node_rank=rank // 2, hosts=tuple("abcdefgh"[:(world + 1) // 2]),
+                   master_addr="127.0.0.1", master_port=port)
+
+
+def _open(port: int, world: int = WORLD) -> list:
+    """Every rank's channel, or the exception its opening raised."""
+    opened: list = [None] * world
 
     def open_rank(rank: int) -> None:
-        env = replace(detect_environment({}, hostname="sim"), rank=rank, world_size=WORLD,
-                      node_rank=rank // 2, hosts=("a", "b", "c"), master_addr="127.0.0.1",
-                      master_port=server.port)
-        opened[rank] = StoreSideChannel(env, server)
+        try:
+            opened[rank] = SocketSideChannel(_env(rank, port, world))
+        except Exception as exc:  # noqa: BLE001 - what each rank raised is the result
+            opened[rank] = exc
 
-    threads = [threading.Thread(target=open_rank, args=(rank,)) for rank in range(WORLD)]
+    threads = [threading.Thread(target=open_rank, args=(rank,)) for rank in range(world)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
+    return opened
+
+
+@pytest.fixture
+def server():
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+
+
+@pytest.fixture
+def channels(server):
+    opened = _open(server.port)
     yield opened
-    for channel in reversed(opened):  # rank 0 last: it waits for the others to let go
+    for channel in opened:
         channel.close()
+
+
+def _until(done, seconds: float = 5.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not done() and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def _collect(channels, kind: str) -> list[list]:
@@ -51,71 +80,118 @@ def _collect(channels, kind: str) -> list[list]:
 def test_messages_broadcasts_and_posts_arrive(channels):
     got = _collect(channels, "t.hello")
     channels[1].send(4, "t.hello", b"to four")
+    _until(lambda: got[4])
     channels[2].broadcast("t.hello", b"to all")
-    for channel in channels:
-        channel.exchange()
+    _until(lambda: all(got[rank] for rank in (0, 1, 3, 5)) and len(got[4]) == 2)
+    time.sleep(0.2)  # anything sent twice would be in by now
     assert [(m.source, m.payload) for m in got[4]] == [(1, b"to four"), (2, b"to all")]
     assert got[2] == []  # not to itself
     assert all([(m.source, m.payload) for m in got[rank]] == [(2, b"to all")]
                for rank in (0, 1, 3, 5))
-    for channel in channels:  # read again: nothing twice
-        channel.exchange()
-    assert len(got[4]) == 2
     channels[3].post("t.state", b"in all_reduce #4")
+    channels[3].post("t.empty", b"")
     assert channels[0].read(3, "t.state") == b"in all_reduce #4"
     assert channels[0].read_many([3, 5], "t.state") == {3: b"in all_reduce #4", 5: None}
+    assert channels[0].read(3, "t.empty") == b""
+
+
+def _heard_twice(channels, beating) -> list[set[int]]:
+    """What each beating rank heard over two rounds of beats: a beat arrives before its
+    watcher's exchange in the first round or in time for the second."""
+    heard = [set() for _ in channels]
+    for _ in range(2):
+        for rank in beating:
+            heard[rank] |= channels[rank].exchange()
+        time.sleep(0.3)
+    return heard
 
 
 def test_beats_reach_the_watchers_only(channels):
     assert [channel.nodes for channel in channels] == [["a", "a", "b", "b", "c", "c"]] * WORLD
-    for channel in channels:
-        channel.exchange()  # the first read sees every counter as new
-    for rank, channel in enumerate(channels):
-        if rank != 3:
-            channel.exchange()
-    for rank, channel in enumerate(channels):
-        if rank != 3:
-            assert channel.exchange() == set(channel.watch.watched) - {3}, rank
-        assert len(channel.watch.watched) == 2
+    beating = [0, 1, 2, 4, 5]
+    heard = _heard_twice(channels, beating)
+    for rank in beating:
+        assert heard[rank] == set(channels[rank].watch.watched) - {3}, rank
+    assert all(len(channel.watch.watched) == 2 for channel in channels)
 
 
 def test_a_rank_that_left_stays_heard_and_one_that_stopped_does_not(channels):
     """Rank 3 leaves the job (it ends: a lost peer reported, a script done) and beats no more;
     rank 5 just stops beating (killed). Their watchers keep hearing rank 3, not rank 5: a
     survivor names the killed rank alone, not the ranks that ended after it."""
-    for channel in channels:
-        channel.exchange()
     channels[3].leave()
-    channels[3].exchange()  # a beat under way as it leaves does not undo it
-    for _ in range(2):
-        for rank, channel in enumerate(channels):
-            if rank not in (3, 5):
-                channel.exchange()
+    heard = _heard_twice(channels, [0, 1, 2, 4])
     watchers = [rank for rank, channel in enumerate(channels) if 3 in channel.watch.watched]
-    assert watchers and all(3 in channels[rank].exchange() for rank in watchers if rank != 5)
-    assert all(5 not in channel.exchange() for rank, channel in enumerate(channels)
-               if rank not in (3, 5))
+    assert watchers == [1, 5]
+    assert 3 in channels[1].exchange()  # still, with no new word from it
+    assert all(5 not in heard[rank] for rank in (0, 1, 2, 4)), heard
 
 
-def test_a_store_gone_is_channel_gone_and_a_handlers_bug_is_not():
-    """Callers catch ChannelGone by name (the heartbeat, the hang watch, fail-fast): the store's
-    host ending must raise it from every call, and nothing else may."""
-    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    env = replace(detect_environment({}, hostname="sim"), rank=1, world_size=2, node_rank=1,
-                  hosts=("a", "b"), master_addr="127.0.0.1", master_port=server.port)
-    opened = []
-    other = threading.Thread(target=lambda: opened.append(StoreSideChannel(env, None)))
-    other.start()  # rank 1 waits for the nodes that rank 0 gathers
-    channel = StoreSideChannel(replace(env, rank=0, node_rank=0), None)
-    other.join()
-    channel.on("t.bug", lambda message: 1 / 0)
-    opened[0].send(0, "t.bug")
-    with pytest.raises(ZeroDivisionError):
-        channel.exchange()
-    del server  # its host ends
-    gc.collect()
-    for call in (channel.exchange, lambda: channel.send(1, "t.x"),
-                 lambda: channel.broadcast("t.x"), lambda: channel.post("t.x", b"")):
-        with pytest.raises(ChannelGone):
-            call()
-    channel.close()  # says nothing: there is nobody left to wait for
+def test_nothing_goes_through_the_store_once_open(server):
+    """The store's host (rank 0 in a job) serves the start only: with it gone, the ranks still
+    beat, message, broadcast and read each other's posts."""
+    opened = _open(server.port)
+    try:
+        del server
+        gc.collect()
+        got = _collect(opened, "t.after")
+        opened[5].broadcast("t.after", b"x")
+        _until(lambda: all(got[rank] for rank in range(5)))
+        assert [len(box) for box in got] == [1, 1, 1, 1, 1, 0]
+        heard = _heard_twice(opened, range(WORLD))
+        assert all(heard[rank] == set(channel.watch.watched)
+                   for rank, channel in enumerate(opened))
+        opened[4].post("t.where", b"here")
+        assert opened[1].read(4, "t.where") == b"here"  # rank 1 met rank 4 in the broadcast
+    finally:
+        for channel in opened:
+            channel.close()
+
+
+def test_a_rank_that_ended_is_gone_and_the_others_go_on(channels):
+    channels[2].close()
+    with pytest.raises(ChannelGone):
+        for _ in range(3):  # the first send may still be taken by the kernel
+            channels[0].send(2, "t.x")
+            time.sleep(0.05)
+    for channel in channels:
+        channel.exchange()  # its watched ranks' beats to it fail quietly
+    got = _collect(channels, "t.still")
+    channels[0].broadcast("t.still")
+    _until(lambda: all(got[rank] for rank in (1, 3, 4, 5)))
+    assert [len(box) for box in got] == [0, 1, 0, 1, 1, 1]
+
+
+def test_bytes_that_are_not_frames_are_dropped_with_their_connection(channels):
+    host, port = channels[1].address.rsplit(":", 1)
+    with socket.create_connection((host, int(port))) as stranger:
+        stranger.sendall(b"GET / HTTP/1.0\r\n\r\n")
+        time.sleep(0.2)
+    watcher = channels[1].watch.watched[0]
+    channels[watcher].exchange()
+    _until(lambda: watcher in channels[1].exchange())
+
+
+def test_a_watcher_out_of_reach_is_an_error_on_every_rank(server, monkeypatch):
+    """Rank 2 publishes an address nobody can reach (TEST-NET-1): its watched ranks cannot
+    connect, and every rank says so at the start, naming them, instead of finding everyone
+    silent later."""
+    real = side_socket.reachable_at
+    monkeypatch.setattr(side_socket, "CONNECT_S", 0.5)
+    monkeypatch.setattr(side_socket, "reachable_at",
+                        lambda env: "192.0.2.1" if env.rank == 2 else real(env))
+    opened = _open(server.port)
+    assert all(isinstance(result, LaunchError) for result in opened), opened
+    message = opened[0].message
+    assert "could not connect the ranks" in message and "rank 2 on b at 192.0.2.1:" in message
+    assert "firewall" in opened[0].hint
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 7, 16, 100, 1000])
+def test_a_broadcast_only_passes_through_a_ranks_log_n_neighbours(size):
+    """The addresses a rank reads at the start cover every broadcast it may pass on."""
+    for rank in range(size):
+        near = set(neighbours(rank, size))
+        assert len(near) <= 2 * max(1, (size - 1).bit_length())
+        for origin in range(0, size, max(1, size // 13)):
+            assert set(forwards(rank, origin, size)) <= near | {origin}, (rank, origin)

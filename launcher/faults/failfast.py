@@ -12,8 +12,7 @@ torchrun) then report the true cause first, and take down the others. Where nobo
 (srun without ``--kill-on-bad-exit``, ranks started by hand) they end themselves a moment later.
 
 Notices travel on the side channel (``launcher.faults.side_channel``) as one broadcast; each rank
-that takes one acknowledges it to the failing rank (and, over the store, to the store's host,
-rank 0, which must not end before the others have read it).
+that takes one acknowledges it to the failing rank.
 Exit status: that of the failure, ``EXIT_RANK_FAILED`` for an exception and ``EXIT_USER_ERROR``
 for a LaunchError seen by one rank only; on every rank.
 """
@@ -35,7 +34,7 @@ import torch.distributed as dist
 from launcher.core.errors import EXIT_RANK_FAILED, EXIT_USER_ERROR, LaunchError
 from launcher.faults.heartbeat import Heartbeat
 from launcher.faults.side_channel import ChannelGone, SideChannel
-from launcher.faults.side_store import StoreSideChannel
+from launcher.faults.side_socket import SocketSideChannel
 from launcher.placement.env import JobEnv
 
 #: how long a failing rank waits for its peers to take its notice before it ends anyway
@@ -117,10 +116,8 @@ class Watchdog:
         self._acks += 1
 
     def _acknowledge(self, notice: Notice) -> None:
-        host = self.channel.host_rank
-        for rank in dict.fromkeys([notice.rank, host]):
-            if rank is not None and rank != self._env.rank:
-                self.channel.send(rank, ACK_KIND)
+        with contextlib.suppress(ChannelGone):  # it ended already: nobody waits for this
+            self.channel.send(notice.rank, ACK_KIND)
 
     def _watch(self) -> None:
         while (notice := self._notices.get()) is not None:
@@ -139,9 +136,6 @@ class Watchdog:
                 except PeerFailed as exc:
                     _tell_torchrun(exc)
             self._acknowledge(notice)  # after the line: the failing rank ends next
-            if self.channel.host_rank == self._env.rank:
-                # the transport lives in this process: let the others read the notice
-                _wait_until(lambda: self._acks >= self._env.world_size - 2)
             time.sleep(FOLLOW_S)
             os._exit(notice.status)
 
@@ -192,7 +186,8 @@ def _tell_torchrun(exc: BaseException) -> None:
 
 
 def start(env: JobEnv, store: dist.Store | None) -> Watchdog:
-    """The watchdog for this rank: over ``store`` when there is one, else over MPI."""
+    """The watchdog for this rank: over TCP between the ranks when there is a rendezvous
+    ``store``, else over MPI."""
     if not env.is_distributed:
         return Watchdog(env, None)
     channel = _open_channel(env, store)
@@ -201,9 +196,10 @@ def start(env: JobEnv, store: dist.Store | None) -> Watchdog:
 
 
 def _open_channel(env: JobEnv, store: dist.Store | None) -> SideChannel:
-    """Collective: the side channel over ``store`` when there is one, else over MPI."""
+    """Collective: the side channel over TCP when there is a rendezvous store (gloo, nccl),
+    else over MPI."""
     if store is not None:
-        return StoreSideChannel(env, store)
+        return SocketSideChannel(env)
     from mpi4py import MPI
 
     from launcher.faults.side_mpi import MpiSideChannel

@@ -9,9 +9,8 @@ ranks' waits ask here, when their timeout passes, whether a peer is silent (``Pe
 naming its rank and node) or alive and busy (writing a checkpoint, evaluating: the wait goes
 on, up to ``BUSY_LIMIT`` times the timeout).
 
-Beats travel on the side channel (``launcher.faults.side_channel``): over the rendezvous store when
-there is one (gloo, nccl; when the store stops answering, its host, rank 0, is the silent one)
-or, with the mpi backend, as MPI messages.
+Beats travel on the side channel (``launcher.faults.side_channel``) from rank to rank: over TCP
+(gloo, nccl) or, with the mpi backend, as MPI messages. Rank 0 is watched like any other.
 """
 
 from __future__ import annotations
@@ -24,7 +23,6 @@ from datetime import timedelta
 
 from launcher.core.errors import PeerLost
 from launcher.faults import hang_watch
-from launcher.faults.c10d_log import quiet_c10d
 from launcher.faults.hang_watch import HangWatch
 from launcher.faults.side_channel import ChannelGone
 from launcher.placement.env import JobEnv
@@ -67,11 +65,6 @@ class Heartbeat:
         self._told: set[int] = set()
         #: when the last of them was found or told
         self._told_at = -float("inf")
-        #: since when the store does not answer (None: it does, or there is none)
-        self._cut_off: float | None = None
-        #: when the exchange under way began: a stopped store host never answers, not even
-        #: with the client's timeout
-        self._calling: float | None = None
         self._stop = threading.Event()
         beats.on(SILENT_KIND, self._hear_silent)
         self._thread = threading.Thread(target=self._beat, name="ddp-heartbeat", daemon=True)
@@ -87,15 +80,10 @@ class Heartbeat:
 
     def _beat(self) -> None:
         while not self._stop.wait(BEAT_S):
-            self._calling = time.monotonic()
             try:
-                with quiet_c10d():  # a store that stops answering is reported, not logged
-                    heard = self._beats.exchange()
+                heard = self._beats.exchange()
             except ChannelGone:
-                # from the call that failed, which may have waited for the store's timeout
-                self._cut_off = self._cut_off or self._calling
-                continue
-            self._cut_off = self._calling = None
+                continue  # the library reports a peer gone: its silence names it
             now = time.monotonic()
             for rank in heard:
                 self._heard[rank] = now
@@ -111,22 +99,11 @@ class Heartbeat:
                 self._beats.broadcast(SILENT_KIND, json.dumps(found).encode())
 
     def silent(self) -> list[int]:
-        """The ranks not heard for SILENT_S; rank 0 alone when its store stopped answering
-        before any other rank fell silent."""
-        cut_off = self._stalled()
-        # while an exchange is under way nobody could be heard: count silence up to its start
-        until = cut_off or self._calling or time.monotonic()
-        silent = {rank for rank, heard in self._heard.items() if until - heard > SILENT_S}
+        """The ranks not heard for SILENT_S, by this rank or by their other watchers."""
+        now = time.monotonic()
+        silent = {rank for rank, heard in self._heard.items() if now - heard > SILENT_S}
         silent.update(rank for rank in self._told if rank != self._env.rank)
-        return [0] if not silent and cut_off is not None else sorted(silent)
-
-    def _stalled(self) -> float | None:
-        """Since when beats cannot be exchanged: a call failed, or hangs for SILENT_S."""
-        calling = self._calling
-        if self._cut_off is None and calling is not None and \
-                time.monotonic() - calling > SILENT_S:
-            return calling
-        return self._cut_off
+        return sorted(silent)
 
     def settle(self) -> list[int]:
         """The silent ranks once no new one was found for QUIET_BEATS beats, waiting up to
@@ -143,20 +120,14 @@ class Heartbeat:
                 seen, changed = silent, now
             # found by this rank's own clock and not yet told: its watchers' news is still due
             news = now if set(silent) - self._told else max(changed, self._told_at)
-            if silent and (now - news >= quiet_s or self._stalled() is not None):
-                return silent  # a stalled store carries no more news
+            if silent and now - news >= quiet_s:
+                return silent
             if now > deadline:
                 return silent
             time.sleep(0.1)
 
     def lost(self, what: str, silent: list[int]) -> PeerLost:
         """``what`` went wrong (a sentence naming this rank), explained by ``silent``."""
-        env = self._env
-        if self._stalled() is not None and silent == [0]:
-            return PeerLost(
-                f"{what}: rank 0's rendezvous store at {env.master_addr}:{env.master_port} "
-                f"does not answer: rank 0's node ({self.nodes[0]}) is lost, or "
-                f"{env.node_name} is cut off", HINT, nodes=(self.nodes[0],))
         names = ", ".join(f"rank {rank} ({self.nodes[rank]})" for rank in silent)
         return PeerLost(f"{what}: no heartbeat for {SILENT_S:.0f} s from {names}", HINT,
                         nodes=tuple(dict.fromkeys(self.nodes[rank] for rank in silent)))

@@ -7,19 +7,19 @@ carries the heartbeats (``exchange``: a beat to this rank's watchers,
 messages and posts of any module (``send``, ``on``, ``post``, ``read``). Two transports with
 the same methods:
 
-- ``StoreSideChannel`` (gloo, nccl; ``launcher.faults.side_store``): one TCPStore client of its
-  own to the rendezvous store, beside the rendezvous' one (two connections per rank in all). Not
-  the rendezvous connection itself: a TCPStore client serves one call at a time, and NCCL blocks
-  that one in ``get`` when it creates a communicator (lazily, at the first collective), which
-  would hold up the beats for as long. Only calls that return at once go over it: one write and
-  one read per rank per beat.
+- ``SocketSideChannel`` (gloo, nccl; ``launcher.faults.side_socket``): TCP connections from
+  rank to rank, each rank listening on a port of its own. The rendezvous store serves the start
+  only (the ranks' addresses and nodes), so nothing per second goes through rank 0.
 - ``MpiSideChannel`` (the mpi backend; ``launcher.faults.side_mpi``): MPI messages on a ``Dup``
-  of ``MPI_COMM_WORLD``, looked for every ``MPI_POLL_S`` by a thread of its own; a broadcast
-  travels along two binomial trees rooted at its origin (O(log N) hops; a rank that stopped
-  inside one tree leaves the other one to carry it).
+  of ``MPI_COMM_WORLD``, looked for every ``MPI_POLL_S`` by a thread of its own.
 
-Handlers (``on``) run on the channel's own thread (the heartbeat's thread over the store): they
-must return quickly. A call that cannot reach the others raises ``ChannelGone``.
+Both send from rank to rank (``launcher.faults.side_peer``): a beat goes to this rank's two
+watchers only, a broadcast travels along two binomial trees rooted at its origin (O(log N)
+hops; a rank that stopped inside one tree leaves the other one to carry it), and a post is
+read by asking its rank.
+
+Handlers (``on``) run on a thread of the channel's own: they must return quickly. A call that
+cannot reach the others raises ``ChannelGone``.
 """
 
 from __future__ import annotations
@@ -50,17 +50,13 @@ Handler = Callable[[Message], None]
 
 
 class ChannelGone(Exception):
-    """A call on the side channel failed: its store's host ended or stopped answering, or the
-    MPI library reports a peer gone. Both transports raise only this, so that their callers
+    """A call on the side channel failed: the rank it was for ended or cannot be reached, or
+    the MPI library reports a peer gone. Both transports raise only this, so that their callers
     read it as "the others are out of reach" and a bug in a handler is never taken for it."""
 
 
 class SideChannel:
     """What both transports share: handlers, and the nodes of the ranks."""
-
-    #: the rank whose process serves the transport (the store's host), if any: it must not
-    #: end before the others have read what they need
-    host_rank: int | None = None
 
     def __init__(self, env: JobEnv, nodes: Sequence[str]):
         self.rank = env.rank

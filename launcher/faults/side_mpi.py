@@ -2,10 +2,9 @@
 
 Beats are empty messages to this rank's watchers (``launcher.faults.watch``), one in flight per
 watcher so a stopped one's do not pile up. Everything else is one pickled tuple per message;
-a thread of the channel's own looks for both every ``MPI_POLL_S``, passes broadcasts on along
-two binomial trees rooted at their origin, answers reads of this rank's posts, and calls the
-handlers. Each rank talks to its watchers, the ranks it watches and its O(log N) tree
-neighbours: MPI connects lazily, so no rank holds a connection to every other one.
+a thread of the channel's own looks for both every ``MPI_POLL_S`` and hands them to
+``launcher.faults.side_peer`` (broadcasts passed on, reads answered, handlers called). MPI
+connects lazily, so no rank holds a connection to every other one.
 """
 
 from __future__ import annotations
@@ -16,25 +15,16 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from launcher.faults import watch
-from launcher.faults.side_channel import (
-    MPI_POLL_S,
-    ChannelGone,
-    Message,
-    Posts,
-    SideChannel,
-    forwards,
-)
+from launcher.faults.side_channel import MPI_POLL_S, ChannelGone
+from launcher.faults.side_peer import PeerSideChannel
 from launcher.placement.env import JobEnv
 
 _BEAT, _MESSAGE, _LEFT = 11, 12, 13
 #: how long a rank that leaves waits for its watchers to take its last word
 LEAVE_S = 1.0
-#: the channel's own kinds: a read of a post, and its answer
-_READ, _ANSWER = "ddp.read", "ddp.answer"
 
 
-class MpiSideChannel(SideChannel):
+class MpiSideChannel(PeerSideChannel):
     """The side channel on a duplicate of ``MPI_COMM_WORLD``."""
 
     def __init__(self, env: JobEnv, world):
@@ -43,30 +33,17 @@ class MpiSideChannel(SideChannel):
         self._mpi = MPI
         self._comm = world.Dup()  # collective; never matches the training's messages
         super().__init__(env, self._comm.allgather(env.node_name))
-        self.watch = watch.watch(self.nodes, env.rank)
         self._beats: dict[int, object] = {}
-        self._heard: set[int] = set()
-        #: the watched ranks that left the job (``leave``): heard from, whatever comes
-        self._left: set[int] = set()
-        self._heard_lock = threading.Lock()
         self._sends: list = []
         self._sends_lock = threading.Lock()
-        self._seen: set[tuple[int, int]] = set()
-        self._sequence = 0
-        self._posts = Posts()
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._pump, name="ddp-side-channel", daemon=True)
         self._thread.start()
 
-    def exchange(self) -> set[int]:
-        """Beat to the watchers; the watched ranks heard since the last call."""
+    def _beat(self, peer: int) -> None:
         with self._gone_on_error():
-            for peer in self.watch.watchers:
-                if peer not in self._beats or self._beats[peer].Test():
-                    self._beats[peer] = self._comm.isend(b"", dest=peer, tag=_BEAT)
-        with self._heard_lock:
-            heard, self._heard = self._heard, set()
-            return heard | self._left
+            if peer not in self._beats or self._beats[peer].Test():
+                self._beats[peer] = self._comm.isend(b"", dest=peer, tag=_BEAT)
 
     def leave(self, failed: bool = False) -> None:
         """This rank leaves the job: its watchers count it as heard from now on (it ended, it
@@ -93,34 +70,10 @@ class MpiSideChannel(SideChannel):
         except self._mpi.Exception as exc:
             raise ChannelGone(str(exc)) from exc
 
-    def _isend(self, dest: int, item: tuple) -> None:
+    def _send_item(self, dest: int, item: tuple) -> None:
         with self._sends_lock, self._gone_on_error():
             self._sends = [request for request in self._sends if not request.Test()]
             self._sends.append(self._comm.isend(pickle.dumps(item), dest=dest, tag=_MESSAGE))
-
-    def send(self, dest: int, kind: str, payload: bytes = b"") -> None:
-        self._isend(dest, (self.rank, None, kind, payload))
-
-    def broadcast(self, kind: str, payload: bytes = b"") -> None:
-        self._sequence += 1
-        item = (self.rank, self._sequence, kind, payload)
-        self._seen.add((self.rank, self._sequence))
-        for peer in forwards(self.rank, self.rank, self.world_size):
-            self._isend(peer, item)
-
-    def post(self, name: str, value: bytes) -> None:
-        self._posts.own[name] = value
-
-    def read_many(self, ranks, name, timeout_s=5.0):
-        asks = []
-        for rank in ranks:
-            ask = self._posts.ask()
-            asks.append(ask)
-            if rank == self.rank:
-                self._posts.answer(ask, self._posts.own.get(name))
-            else:
-                self.send(rank, _READ, pickle.dumps((ask, name)))
-        return dict(zip(ranks, self._posts.await_answers(asks, timeout_s), strict=True))
 
     def _pump(self) -> None:
         status = self._mpi.Status()
@@ -130,27 +83,9 @@ class MpiSideChannel(SideChannel):
                 source, tag = status.Get_source(), status.Get_tag()
                 data = self._comm.recv(source=source, tag=tag)
                 if tag in (_BEAT, _LEFT):
-                    with self._heard_lock:
-                        (self._heard if tag == _BEAT else self._left).add(source)
+                    self._heard(source, left=tag == _LEFT)
                 elif tag == _MESSAGE:
                     self._receive(pickle.loads(data))
-
-    def _receive(self, item: tuple) -> None:
-        origin, sequence, kind, payload = item
-        if sequence is not None:  # a broadcast: once, passed on first
-            if (origin, sequence) in self._seen:
-                return
-            self._seen.add((origin, sequence))
-            for peer in forwards(self.rank, origin, self.world_size):
-                if peer != origin:
-                    self._isend(peer, item)
-        if kind == _READ:
-            ask, name = pickle.loads(payload)
-            self.send(origin, _ANSWER, pickle.dumps((ask, self._posts.own.get(name))))
-        elif kind == _ANSWER:
-            self._posts.answer(*pickle.loads(payload))
-        else:
-            self._deliver(Message(origin, kind, payload))
 
     def close(self) -> None:
         self._closed.set()

@@ -1,0 +1,331 @@
+"""The side channel over TCP, rank to rank (gloo, nccl): see ``launcher.faults.side_channel``.
+
+Each rank listens on a free port of the interface the ranks share (``JobEnv.network``, the
+route to rank 0) and connects to the ranks it sends to: its two watchers for the beats, and
+for messages its O(log N) tree neighbours and the few ranks it answers. A thread of the
+channel's own reads what arrives and hands it to ``launcher.faults.side_peer``. Nothing
+travels through rank 0 once the channel is open: the rendezvous store is used at the start
+only (every rank's address and node, gathered as the nodes are; then whether each rank reached
+its watchers) and, rarely, to look up the address of a rank not met yet (one read).
+
+A stopped rank's kernel still takes what is sent to it, so a beat never blocks on a silent
+peer: its silence is what tells. A killed one refuses the connection: sends to it fail, and
+the ranks go on with the others. A port that drops connections (a firewall between nodes)
+is found at the start, on every rank, with the ranks and the address named.
+
+Beats are taken on the reading thread itself; messages go to a second thread, which passes
+broadcasts on, answers reads and calls the handlers: a send that waits for a connection, or a
+slow handler, never holds up the beats heard.
+
+Frames, not pickles: anyone who reaches the port could send one. A frame's kind is ``b`` for a
+beat, ``l`` for "this rank left", and ``m`` and the message's kind for a message (its origin,
+its origin's address and its broadcast number, or -1, before its payload).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import queue
+import selectors
+import socket
+import threading
+import traceback
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from launcher.core.errors import LaunchError
+from launcher.faults.c10d_log import quiet_c10d
+from launcher.faults.side_channel import ChannelGone
+from launcher.faults.side_peer import PeerSideChannel, neighbours
+from launcher.placement import network
+from launcher.placement.env import JobEnv
+
+_ROOT = "ddp/side"
+#: how long the ranks wait for each other at the start (the rendezvous is done by then)
+START_S = 300.0
+#: a connection not made by then fails: the peer's node is gone, or a firewall drops it
+CONNECT_S = 10.0
+#: a send not taken by then fails (a peer that has not read for hours: its buffers are full)
+SEND_S = 5.0
+#: how many of the ranks that could not reach a watcher the start-up error names
+NAMED = 3
+_BEAT, _LEFT, _MESSAGE = "b", "l", "m"
+
+
+def _frame(source: int, kind: str, payload: bytes) -> bytes:
+    name = kind.encode()
+    return b"%d %d %d\n" % (source, len(name), len(payload)) + name + payload
+
+
+def _unframe(data: bytes) -> tuple[list[tuple[int, str, bytes]], int]:
+    """The whole frames in ``data`` (source, kind, payload), and where the next one starts;
+    ValueError for bytes that are not frames."""
+    frames, offset = [], 0
+    while (end := data.find(b"\n", offset)) >= 0:
+        source, kind_len, payload_len = (int(field) for field in data[offset:end].split())
+        body = end + 1
+        if body + kind_len + payload_len > len(data):
+            break
+        kind = data[body:body + kind_len].decode()
+        frames.append((source, kind, data[body + kind_len:body + kind_len + payload_len]))
+        offset = body + kind_len + payload_len
+    return frames, offset
+
+
+def _encode_item(address: str, item: tuple) -> bytes:
+    origin, sequence, kind, payload = item
+    number = -1 if sequence is None else sequence
+    return _frame(origin, _MESSAGE + kind, b"%s %d\n" % (address.encode(), number) + payload)
+
+
+def _decode_item(frame: tuple[int, str, bytes]) -> tuple[str, tuple]:
+    """The origin's address ("" when unknown) and the message (origin, number, kind,
+    payload) of a message's frame."""
+    origin, kind, body = frame
+    head, _, payload = body.partition(b"\n")
+    address, sequence = head.decode().rsplit(" ", 1)
+    number = int(sequence)
+    return address, (origin, None if number < 0 else number, kind[len(_MESSAGE):], payload)
+
+
+def _runs(nodes: list[str]) -> str:
+    runs: list[list] = []
+    for node in nodes:
+        if runs and runs[-1][0] == node:
+            runs[-1][1] += 1
+        else:
+            runs.append([node, 1])
+    return json.dumps(runs)
+
+
+def _expand(runs: bytes) -> list[str]:
+    return [node for node, count in json.loads(runs) for _ in range(count)]
+
+
+def reachable_at(env: JobEnv) -> str:
+    """The address the other ranks reach this one at: the interface start-up chose, else the
+    route to rank 0's address."""
+    if env.network is not None and env.network.address:
+        return env.network.address
+    return network.source_address(env.master_addr)
+
+
+def _split(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host, int(port)
+
+
+class SocketSideChannel(PeerSideChannel):
+    """The side channel over TCP connections between the ranks."""
+
+    def __init__(self, env: JobEnv):
+        self._env = env
+        self._listener = socket.create_server(("", 0), backlog=128)
+        self.address = f"{reachable_at(env)}:{self._listener.getsockname()[1]}"
+        self._out: dict[int, socket.socket] = {}
+        self._locks: dict[int, threading.Lock] = {}
+        self._locks_lock = threading.Lock()
+        self._gone: set[int] = set()
+        store = self._client(START_S)
+        rank = env.rank
+        self._call(store.multi_set, [f"{_ROOT}/addr/{rank}", f"{_ROOT}/node/{rank}"],
+                   [self.address, env.node_name])
+        nodes = _expand(self._gathered(store, "node", "nodes", _runs))
+        super().__init__(env, nodes)
+        peers = [peer for peer in dict.fromkeys(
+            [*self.watch.watchers, *neighbours(rank, env.world_size), 0]) if peer != rank]
+        self._addresses = dict(zip(peers, (value.decode() for value in self._call(
+            store.multi_get, [f"{_ROOT}/addr/{peer}" for peer in peers])), strict=True))
+        self._wake, self._woken = socket.socketpair()
+        self._inbox: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
+        #: the threads that read what arrives and handle the messages (their CPU is measured)
+        self.threads = (threading.Thread(target=self._pump, name="ddp-side-channel", daemon=True),
+                        threading.Thread(target=self._handle, name="ddp-side-messages",
+                                         daemon=True))
+        for thread in self.threads:
+            thread.start()
+        unreached = [self._reach(peer) for peer in self.watch.watchers]
+        self._call(store.set, f"{_ROOT}/reach/{rank}",
+                   "; ".join(problem for problem in unreached if problem))
+        problems = json.loads(self._gathered(store, "reach", "reached", _named_problems))
+        if problems:
+            self.close()
+            raise LaunchError(
+                "the side channel (heartbeats, failure notices) could not connect the ranks: "
+                + "; ".join(problems),
+                hint="each rank listens on a free TCP port of the interface towards rank 0's "
+                "address (as gloo does) and connects to a few other ranks: let the nodes reach "
+                "each other on every TCP port (a firewall between them?), or name the "
+                "interface the nodes share with --ifname (GLOO_SOCKET_IFNAME)")
+
+    def _client(self, timeout_s: float) -> dist.TCPStore:
+        env = self._env
+        try:
+            with quiet_c10d():
+                return dist.TCPStore(env.master_addr, env.master_port, is_master=False,
+                                     timeout=timedelta(seconds=timeout_s))
+        except (RuntimeError, OSError) as exc:
+            raise ChannelGone(str(exc)) from exc
+
+    @staticmethod
+    def _call(method, *args):
+        try:
+            with quiet_c10d():
+                return method(*args)
+        except (RuntimeError, OSError) as exc:  # torch's DistError; older releases' plain ones
+            raise ChannelGone(str(exc)) from exc
+
+    def _gathered(self, store, each: str, into: str, combine) -> bytes:
+        """Rank 0 reads every rank's ``each`` key and writes ``combine`` of them under
+        ``into``, which every rank reads: O(N) at rank 0 once, O(1) calls per rank."""
+        if self._env.rank == 0:
+            keys = [f"{_ROOT}/{each}/{other}" for other in range(self._env.world_size)]
+            self._call(store.wait, keys, timedelta(seconds=START_S))
+            values = [value.decode() for value in self._call(store.multi_get, keys)]
+            self._call(store.set, f"{_ROOT}/{into}", combine(values))
+        self._call(store.wait, [f"{_ROOT}/{into}"], timedelta(seconds=START_S))
+        return self._call(store.get, f"{_ROOT}/{into}")
+
+    def _reach(self, peer: int) -> str:
+        """Connect to ``peer``; what went wrong, or "" when it is reached."""
+        try:
+            with self._lock(peer):
+                self._connection(peer)
+        except ChannelGone as exc:
+            return (f"rank {self.rank} on {self.node(self.rank)} cannot reach rank {peer} on "
+                    f"{self.node(peer)} at {self._addresses[peer]}: {exc}")
+        return ""
+
+    def _lock(self, peer: int) -> threading.Lock:
+        with self._locks_lock:
+            return self._locks.setdefault(peer, threading.Lock())
+
+    def _address(self, peer: int) -> str:
+        """Where ``peer`` listens: known since the start or from its messages, else read from
+        the rendezvous store (which must still be there)."""
+        if peer not in self._addresses:
+            store = self._client(CONNECT_S)
+            self._addresses[peer] = self._call(store.get, f"{_ROOT}/addr/{peer}").decode()
+        return self._addresses[peer]
+
+    def _connection(self, peer: int) -> socket.socket:
+        """The connection to ``peer`` (made now if need be); under ``peer``'s lock."""
+        sock = self._out.get(peer)
+        if sock is not None:
+            return sock
+        if peer in self._gone:
+            raise ChannelGone(f"rank {peer} is out of reach")
+        try:
+            sock = socket.create_connection(_split(self._address(peer)), timeout=CONNECT_S)
+        except OSError as exc:
+            self._gone.add(peer)
+            raise ChannelGone(str(exc)) from exc
+        sock.settimeout(SEND_S)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._out[peer] = sock
+        return sock
+
+    def _send(self, peer: int, data: bytes) -> None:
+        with self._lock(peer):
+            sock = self._connection(peer)
+            try:
+                sock.sendall(data)
+            except OSError as exc:  # it ended (reset), or has not read for SEND_S
+                sock.close()
+                del self._out[peer]
+                self._gone.add(peer)
+                raise ChannelGone(f"rank {peer}: {exc}") from exc
+
+    def _beat(self, peer: int) -> None:
+        with contextlib.suppress(ChannelGone):  # ended: this rank's other watcher hears it
+            self._send(peer, _frame(self.rank, _BEAT, b""))
+
+    def _send_item(self, dest: int, item: tuple) -> None:
+        address = self.address if item[0] == self.rank else self._addresses.get(item[0], "")
+        self._send(dest, _encode_item(address, item))
+
+    def leave(self, failed: bool = False) -> None:
+        """This rank leaves the job (also after a failure): its watchers count it as heard
+        from now on (it ended, it is not lost)."""
+        for peer in self.watch.watchers:
+            with contextlib.suppress(ChannelGone):
+                self._send(peer, _frame(self.rank, _LEFT, b""))
+
+    def _pump(self) -> None:
+        selector = selectors.DefaultSelector()
+        selector.register(self._listener, selectors.EVENT_READ)
+        selector.register(self._woken, selectors.EVENT_READ)
+        try:
+            while True:
+                for key, _ in selector.select():
+                    if key.fileobj is self._woken:
+                        return
+                    if key.fileobj is self._listener:
+                        conn, _ = self._listener.accept()
+                        conn.setblocking(False)
+                        selector.register(conn, selectors.EVENT_READ, data=[b""])
+                    elif not self._read(key.fileobj, key.data):
+                        selector.unregister(key.fileobj)
+                        key.fileobj.close()
+        finally:
+            for key in list(selector.get_map().values()):
+                if key.fileobj not in (self._listener, self._woken):
+                    key.fileobj.close()
+            selector.close()
+
+    def _read(self, conn: socket.socket, buffer: list[bytes]) -> bool:
+        """Take what ``conn`` brought; False when it is done (closed, or not speaking frames)."""
+        try:
+            chunk = conn.recv(65536)
+        except OSError:
+            return False
+        if not chunk:
+            return False
+        try:
+            frames, used = _unframe(buffer[0] + chunk)
+            buffer[0] = (buffer[0] + chunk)[used:]
+            for frame in frames:
+                self._take(frame)
+        except (ValueError, UnicodeDecodeError):
+            return False
+        return True
+
+    def _take(self, frame: tuple[int, str, bytes]) -> None:
+        source, kind, _ = frame
+        if kind in (_BEAT, _LEFT):
+            self._heard(source, left=kind == _LEFT)
+        elif kind.startswith(_MESSAGE):
+            address, item = _decode_item(frame)
+            if address:
+                self._addresses.setdefault(item[0], address)
+            self._inbox.put(item)
+        else:
+            raise ValueError(kind)
+
+    def _handle(self) -> None:
+        while (item := self._inbox.get()) is not None:
+            try:
+                self._receive(item)
+            except Exception:  # a handler's bug: said, and the next message still handled
+                traceback.print_exc()
+
+    def close(self) -> None:
+        reading, handling = self.threads
+        if reading.is_alive():
+            self._wake.send(b"x")
+            reading.join(timeout=5)
+        self._inbox.put(None)
+        handling.join(timeout=5)
+        for sock in [*self._out.values(), self._listener, self._wake, self._woken]:
+            sock.close()
+        self._out.clear()
+
+
+def _named_problems(problems: list[str]) -> str:
+    found = [problem for problem in problems if problem]
+    named = found[:NAMED]
+    if len(found) > NAMED:
+        named.append(f"and {len(found) - NAMED} more ranks")
+    return json.dumps(named)
