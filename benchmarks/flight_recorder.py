@@ -11,12 +11,12 @@ processes falls on all alike; the best tenth of a round of each:
 - ``wrapper``: the recorder's wrapper around a function that does nothing (its whole cost);
 - ``all_reduce 4 KiB``: ``dist.all_reduce`` of 1024 floats;
 - ``step``: a training step of launcher.train's default MLP under DDP (batch 32, SGD) plus the
-  ``all_reduce`` of the loss that a training loop makes to log it; with the recorder the model
-  is wrapped as ``Job.wrap`` does (its gradient bucket recorded, ``launcher.faults.ddp_buckets``),
-  without it and before, DDP's own reducer;
-- ``step, torch's hook``: the same step with torch's ``allreduce_hook`` in every column (what
-  launcher.train registered before: a Python hook whose ``all_reduce`` the wrapper records),
-  which tells the price of any Python communication hook from that of the recording.
+  ``all_reduce`` of the loss that a training loop makes to log it, DDP's own reducer in every
+  column; with the recorder its backward is recorded as the process group does for every DDP
+  (``launcher.faults.ddp_steps``);
+- ``step, torch's hook``: the same step with torch's ``allreduce_hook`` in every column (a
+  Python communication hook, whose ``all_reduce`` the wrapper records too), which tells the
+  price of any Python communication hook from that of the recording.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from launcher.faults import ddp_buckets
+from launcher.faults import ddp_steps
 from launcher.faults import flight_recorder as fr
 from launcher.training.models import build_model
 
@@ -94,8 +94,7 @@ def contenders(recorders: dict) -> dict[str, tuple]:
             dist.all_reduce(torch.zeros(1))
         return step
 
-    steps = {mode: stepper(ddp_buckets.allreduce if mode == "with" else None)
-             for mode in recorders}
+    steps = {mode: stepper(None) for mode in recorders}
     return {"wrapper": (20000, False, {mode: (lambda op=op: op(tensor))
                                        for mode, op in wrapped.items()}),
             "all_reduce 4 KiB": (5000, True,
@@ -103,6 +102,23 @@ def contenders(recorders: dict) -> dict[str, tuple]:
             "step": (100, True, steps),
             "step, torch's hook": (100, True, {mode: stepper(default_hooks.allreduce_hook)
                                                for mode in recorders})}
+
+
+class Recording:
+    """The recorder as the process group installs it: the wrapped functions and every DDP's
+    backward."""
+
+    _wrap = staticmethod(fr._wrap)
+
+    @staticmethod
+    def install() -> None:
+        fr.install()
+        ddp_steps.install()
+
+    @staticmethod
+    def uninstall() -> None:
+        fr.uninstall()
+        ddp_steps.uninstall()
 
 
 def measure(rounds: int, recorders: dict) -> list[dict]:
@@ -140,7 +156,7 @@ def main() -> None:
                         help="also measure the recorder of this git commit, side by side")
     args = parser.parse_args()
     recorders = {"without": None, **({"before": before(args.before)} if args.before else {}),
-                 "with": fr}
+                 "with": Recording}
     with socket.socket() as free:
         free.bind(("127.0.0.1", 0))
         port = free.getsockname()[1]

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from launcher.faults import ddp_buckets
+from launcher.faults import ddp_steps
 from launcher.faults import flight_recorder as fr
 from tests.fixtures.mpi import json_objects, run_mpi
 
@@ -84,38 +84,75 @@ def test_only_the_last_entries_stay(group):
     assert len(seqs) == fr.CAPACITY and seqs[-1] == fr.CAPACITY + 5
 
 
-def test_ddp_buckets_are_recorded_from_the_backward_line(group):
-    model = DistributedDataParallel(torch.nn.Linear(3, 2))
-    model.register_comm_hook(None, ddp_buckets.allreduce)
+@pytest.fixture
+def recorded_ddp(group):
+    ddp_steps.install()
+    yield
+    ddp_steps.uninstall()
+
+
+def _steps() -> list[dict]:
+    return [entry for entry in fr.snapshot() if entry["note"] == ddp_steps.NOTE]
+
+
+def test_a_ddp_backward_is_one_entry_from_the_backward_line(recorded_ddp):
+    model = DistributedDataParallel(torch.nn.Linear(3, 2))  # a script's own DDP
     model(torch.ones(4, 3)).sum().backward()  # the backward
-    bucket = fr.snapshot()[-1]
-    assert (bucket["op"], bucket["note"], bucket["state"]) == ("all_reduce", "DDP bucket 0",
-                                                               "done")
-    assert bucket["nbytes"] == (3 * 2 + 2) * 4 and bucket["dtype"] == "float32"
-    assert bucket["where"].endswith(f"test_flight_recorder.py:{_line('# the backward')}")
-    assert fr.current().label() == f"all_reduce #{bucket['seq']} (DDP bucket 0)"
+    [step] = _steps()
+    assert (step["op"], step["state"]) == ("all_reduce", "done")
+    assert step["nbytes"] == (3 * 2 + 2) * 4 and step["dtype"] == "float32"
+    assert step["where"].endswith(f"test_flight_recorder.py:{_line('# the backward')}")
+    assert fr.current().label() == f"all_reduce #{step['seq']} (DDP gradients)"
 
 
-def test_a_bucket_from_a_thread_of_torchs_own_is_placed_where_the_main_thread_is(group):
+def test_only_a_backward_that_syncs_is_recorded(recorded_ddp):
+    model = DistributedDataParallel(torch.nn.Linear(3, 2))
+    with model.no_sync():  # accumulating: DDP reduces nothing
+        model(torch.ones(4, 3)).sum().backward()
+    with torch.no_grad():
+        model(torch.ones(4, 3))
+    assert _steps() == []
+    model(torch.ones(4, 3)).sum().backward()
+    assert len(_steps()) == 1
+
+
+def test_the_entry_ends_when_the_last_bucket_is_reduced(recorded_ddp):
+    """A communication hook whose result comes 0.3 s after backward asked for it: the entry
+    is under way until then, so a rank that waits for a peer there is seen waiting."""
+    model = DistributedDataParallel(torch.nn.Linear(3, 2))
+
+    def late(_state, bucket):
+        future = torch.futures.Future()
+        threading.Timer(0.3, future.set_result, args=(bucket.buffer(),)).start()
+        return future
+
+    model.register_comm_hook(None, late)
+    model(torch.ones(4, 3)).sum().backward()
+    [step] = _steps()
+    assert step["end_ns"] - step["start_ns"] >= 0.3e9, step
+
+
+def test_a_backward_in_a_thread_of_torchs_own_is_placed_where_the_main_thread_is(group):
     """CUDA runs backward, and so the hook, in a thread of the autograd engine, with no frame
-    of the user's: the call is placed where the main thread waits for it."""
+    that called it: the call is placed where the main thread waits for it."""
     # a Timer: only the standard library's frames, and time for the main thread to wait
     worker = threading.Timer(0.2, fr.begin, args=(None, "all_reduce", torch.ones(2),
-                                                  "DDP bucket 0"))
+                                                  ddp_steps.NOTE, None))
     worker.start()
     worker.join()  # the main thread
-    bucket = fr.snapshot()[-1]
-    assert bucket["where"].endswith(f"test_flight_recorder.py:{_line('# the main thread')}")
-    assert bucket["state"] == "running"
+    entry = fr.snapshot()[-1]
+    assert entry["where"].endswith(f"test_flight_recorder.py:{_line('# the main thread')}")
+    assert entry["state"] == "running"
 
 
-def test_the_recorded_hook_keeps_ddps_own_weights():
-    """3 ranks (gloo): the same weights, bit for bit, as DDP's own reducer, which multiplies
-    by 1/3 where torch's allreduce_hook divides by 3 (the last bit differs)."""
-    result = run_mpi(3, [str(Path(__file__).parent / "ddp_buckets_worker.py")], timeout=120)
+def test_launcher_trains_timed_hook_keeps_ddps_own_weights_and_every_ddp_is_recorded():
+    """3 ranks (gloo): ``launcher.train``'s timed hook gives the same weights, bit for bit, as
+    DDP's own reducer, which multiplies by 1/3 where torch's allreduce_hook divides by 3 (the
+    last bit differs); both DDPs, built by the script, record each backward once."""
+    result = run_mpi(3, [str(Path(__file__).parent / "ddp_steps_worker.py")], timeout=120)
     assert result.returncode == 0, result.output
     ranks = json_objects(result.stdout)
     assert len(ranks) == 3, result.output
     for rank in ranks:
         assert rank["own"] == rank["hooked"], rank
-        assert rank["buckets"] == ["DDP bucket 0"], rank
+        assert rank["steps"] == 10, rank

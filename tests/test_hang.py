@@ -211,8 +211,8 @@ def _train_spinning(launch: Launch, backend: str, tmp_path: Path) -> tuple[int, 
         {"FAULT_AT": "spin:3", "FAULT_RANK": "1"})
     assert ended - _since(output, "spinning") <= TIMEOUT_S + BOUND_S, output
     line = _on_every_rank(output, 2)
-    # the call as the recorder labels it (a note on DDP's buckets where they are recorded as
-    # such), from a line of launcher.train's
+    # the call as the recorder labels it (DDP's backward: "DDP gradients"), from a line of
+    # launcher.train's
     call = r"all_reduce #\d+(?: \([^)]*\))?"
     spin, node = re.escape(_line("faulty_model.py", "the spin", "tests")), re.escape(NODE)
     found = re.match(rf"hang: rank 1 \({node}\) never entered ({call}): it is at {spin} in "
@@ -266,8 +266,8 @@ def test_acceptance_rank_2_skips_the_5th_all_reduce(tmp_path):
 
 @pytest.mark.parametrize("backend", ["gloo", "mpi"])
 def test_a_rank_that_never_reaches_backward(backend, tmp_path):
-    """DDP's gradient all_reduce goes from C++ into the group: the model wrapped by
-    ``job.wrap`` records it, so the line names the bucket and where the others called
+    """DDP's gradient all_reduce goes from C++ into the group: every DDP records its
+    backward (the script builds its own), so the line names it and where the others called
     backward."""
     status, output, ended = _run(mpiexec(2), [str(SCRIPTS / "backward.py"), backend,
                                               str(tmp_path)])
@@ -275,7 +275,7 @@ def test_a_rank_that_never_reaches_backward(backend, tmp_path):
     assert status == EXIT_HUNG, output
     line = _lines(output, 0)[0]
     assert _lines(output, 1) == [line], output
-    call = r"all_reduce #(\d+) \(DDP bucket 0\)"
+    call = r"all_reduce #(\d+) \(DDP gradients\)"
     found = re.fullmatch(
         rf"hang: rank 1 \(vm\) never entered {call}: it is at "
         rf"{re.escape(_line('backward.py', 'the spin'))} in <module> \(stack: [^)]+\); "

@@ -42,7 +42,7 @@ from launcher.core.curves import Curves
 from launcher.core.defaults import TIMEOUT_S
 from launcher.core.errors import EXIT_PREEMPTED, LaunchError, Preempted
 from launcher.core.logging_utils import print_lines
-from launcher.faults import ddp_buckets, exit_status, rank_record
+from launcher.faults import exit_status, rank_record
 from launcher.faults.agreement import agree
 from launcher.faults.exits import exit_statuses
 from launcher.faults.preemption import PreemptionWatch
@@ -97,13 +97,10 @@ class Job:
 
     def wrap(self, module: nn.Module, **options) -> DistributedDataParallel:
         """``module`` on this rank's device in ``DistributedDataParallel(module, device_ids=,
-        **options)``, whose gradient all-reduces the flight recorder sees: a hang in backward
-        names the bucket and the line (``launcher.faults.ddp_buckets``). Same gradients as
-        DDP's own; a communication hook of your own needs a DDP of your own."""
-        ddp = DistributedDataParallel(module.to(self.device), device_ids=self.device_ids,
-                                      **options)
-        ddp.register_comm_hook(ddp.process_group, ddp_buckets.allreduce)
-        return ddp
+        **options)``. Its gradient all-reduces are in the flight recorder, as those of any DDP
+        built under ``launcher.distributed()`` (``launcher.faults.ddp_steps``)."""
+        return DistributedDataParallel(module.to(self.device), device_ids=self.device_ids,
+                                       **options)
 
     def print(self, *values: object, every_rank: bool = False, sep: str = " ",
               file: TextIO | None = None) -> None:

@@ -57,15 +57,6 @@ def caller(frame) -> tuple[object, int]:
     return first_launcher.f_code, first_launcher.f_lasti
 
 
-def past_hook(frame):
-    """The first frame from ``frame`` (a hook's) outward that is torch's: where torch called the
-    hook, whose caller ``caller`` then finds (``loss.backward()``'s line, launcher.train's
-    included, not the hook's own). None in a thread of torch's own, which has no such frame."""
-    while frame is not None and _kind(frame.f_code) != 2:
-        frame = frame.f_back
-    return frame
-
-
 def line_of(code, lasti: int) -> int:
     """The source line of bytecode offset ``lasti`` in ``code``."""
     line = code.co_firstlineno

@@ -8,11 +8,9 @@ group, the operation, the first tensor's size in bytes and dtype, the calling Py
 outside torch and ``launcher`` (``file:line``), when it started and ended. A call that is under
 way has no end yet: that is where a rank waits.
 
-DDP's reducer calls the process group from C++, past these functions: its gradient buckets are
-recorded by the communication hook that ``launcher.faults.ddp_buckets`` gives the models the
-launcher wraps (``Job.wrap``, ``launcher.train``), as ``all_reduce #N (DDP bucket k)`` from the
-line that called backward. A DDP that a script builds itself keeps its buckets unrecorded:
-their waits show in the rank's stack.
+DDP's reducer calls the process group from C++, past these functions: each backward's gradient
+all-reduces are recorded as one ``all_reduce #N (DDP gradients)`` from the line that called
+backward, for every DDP, by ``launcher.faults.ddp_steps``.
 
 Why a wrapper and not torch's own Flight Recorder: torch 2.13 has one for gloo and nccl
 (``TORCH_FR_BUFFER_SIZE``, ``torch._C._distributed_c10d._dump_fr_trace``), but not for a
@@ -21,7 +19,7 @@ start or end, and the frames it keeps end inside torch.
 
 The cost, measured by ``python -m benchmarks.flight_recorder`` (benchmarks/README.md): 0.6 µs
 for the wrapper, about 1 µs on a 4 KiB all_reduce, on this project's loaded 2-core VM; a DDP
-bucket recorded costs what any Python communication hook costs (torch's own included).
+step a few microseconds.
 """
 
 from __future__ import annotations
@@ -76,7 +74,7 @@ class Entry:
     end_ns: int | None
     #: "running", "done", "issued" (an async op returned its Work) or "failed"
     state: str
-    #: what the call is for, when a caller other than the user's code says (``DDP bucket 2``)
+    #: what the call is for, when a caller other than the user's code says (``DDP gradients``)
     note: str | None = None
 
     def label(self) -> str:
@@ -220,12 +218,14 @@ class _NoTensor:
     nbytes = dtype = None
 
 
-def begin(group, name: str, tensor, note: str) -> list:
+def begin(group, name: str, tensor, note: str, frame) -> list:
     """Record a call that a caller other than the wrapped functions makes (DDP's gradient
-    buckets, ``launcher.faults.ddp_buckets``), from the first frame outside torch and launcher
-    of this thread, else of the main thread (CUDA runs backward in a thread of torch's own);
-    ``finish`` ends it. What ``_wrap``'s wrapper does inline."""
-    code, lasti = call_site.caller(call_site.past_hook(sys._getframe(1)))
+    all-reduces, ``launcher.faults.ddp_steps``), placed at the first frame outside torch and
+    launcher from ``frame`` (torch's frame that called a hook: ``loss.backward()``'s line,
+    launcher.train's included), else where the main thread is (CUDA runs backward in a thread
+    of torch's own, with no frame of the user's); ``finish`` ends it. What ``_wrap``'s wrapper
+    does inline."""
+    code, lasti = call_site.caller(frame)
     if code is None:
         main = sys._current_frames().get(threading.main_thread().ident)
         code, lasti = call_site.caller(main)

@@ -70,7 +70,7 @@ def _who(group: list[Where]) -> str:
 
 
 def _label(call: dict) -> str:
-    """``all_reduce #4``, or ``all_reduce #4 (DDP bucket 0)`` for a call with a note."""
+    """``all_reduce #4``, or ``all_reduce #4 (DDP gradients)`` for a call with a note."""
     note = call.get("note")
     return f"{call['op']} #{call['seq']}" + (f" ({note})" if note else "")
 

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from launcher.core.defaults import TIMEOUT_S
 from launcher.core.errors import PeerLost, RankFailed, raised_everywhere
-from launcher.faults import exits, failfast, flight_recorder, hang_watch, heartbeat
+from launcher.faults import ddp_steps, exits, failfast, flight_recorder, hang_watch, heartbeat
 from launcher.faults.peer_lost import diagnose, is_communication_failure
 from launcher.group.backends import MPI4PY, BackendFacts, BackendPlan, plan
 from launcher.group.gpu_sharing import nccl_unless_gpus_are_shared
@@ -89,7 +89,8 @@ def process_group(
 ) -> Iterator[DistContext]:
     """Initialise torch.distributed for ``env``; tear it down on exit whatever happens.
 
-    Every collective is recorded (``launcher.faults.flight_recorder``); ranks alive but not meeting
+    Every collective is recorded (``launcher.faults.flight_recorder``), each DDP backward's
+    gradient all-reduces as one (``launcher.faults.ddp_steps``); ranks alive but not meeting
     are found and named (``launcher.faults.hang_watch``), with their stacks under ``run_dir/hang``.
 
     A communication failure inside the body (a peer died, the network was cut, a collective
@@ -105,6 +106,7 @@ def process_group(
     watchdog = failfast.start(env, store)
     beat = watchdog.heartbeat
     flight_recorder.install()
+    ddp_steps.install()
     watch = hang_watch.start(watchdog.channel, run_dir, timeout_s,
                              beat.silent if beat is not None else list, exits.end_process,
                              heartbeat.FOUND_SILENT_S)

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from launcher.faults import ddp_buckets
+from launcher.faults import flight_recorder
 
 
 def wrap_for_sync(module: nn.Module, sync: str, device: torch.device, comm_seconds: list[float],
@@ -54,17 +54,23 @@ def reads_buffers_in_training(module: nn.Module) -> bool:
 
 
 def timed_allreduce(seconds: list[float], bucket):
-    """DDP's own all-reduce, recorded (``launcher.faults.ddp_buckets``), timed from launch
-    until the result is ready."""
+    """What DDP's reducer does with a bucket (scale by 1/size, sum over the group), timed from
+    launch until the result is ready. Recorded once per backward, as any DDP's
+    (``launcher.faults.ddp_steps``), so the all-reduce itself is the unrecorded one."""
     # takes a dist.GradBucket, returns a Future[Tensor]; unannotated because DDP checks the
     # annotation objects themselves, and postponed annotations would turn them into strings
     start = time.perf_counter()
+    tensor = bucket.buffer()
+    # multiplied, as the reducer does: torch's allreduce_hook divides, and differs from DDP
+    # in the last bit where the size is not a power of 2
+    tensor.mul_(1 / dist.get_world_size())
+    work = flight_recorder.original("all_reduce")(tensor, async_op=True)
 
     def done(future: torch.futures.Future) -> torch.Tensor:
         seconds[0] += time.perf_counter() - start
-        return future.value()
+        return future.value()[0]
 
-    return ddp_buckets.allreduce(None, bucket).then(done)
+    return work.get_future().then(done)
 
 
 def allreduce_gradients(module: nn.Module) -> None:
