@@ -25,9 +25,12 @@ a process of its own (as rank 0's store is served beside its training). Measured
   to reach every rank: the first (which connects to the tree neighbours as it goes, as a real
   notice does) and, in the JSON, the median of two more.
 
-The model: for the store designs the store's CPU per call and per key read, fitted (least
-squares) on their measured rows; peer to peer, the busiest rank's CPU and the notice's time
-fitted as a + b N and a + b log2 N. Applied at 10,000 and 100,000 ranks. Table, JSON and a PNG
+The model (``benchmarks.control_plane_fit``): for the store designs the store's CPU per call
+and per key read, fitted (least squares) on their measured rows; peer to peer, the busiest
+rank's CPU fitted as a + b N (b is the simulation's own crowding: the work per rank is the
+same 4 messages a second at every size), and a rank's part of a broadcast (the simulated ranks
+take theirs one after another in one interpreter), from which a real job's notice time
+follows along the trees' longest path. Applied at 10,000 and 100,000 ranks. Table, JSON and a PNG
 plot beside the JSON.
 """
 
@@ -330,9 +333,9 @@ def main(argv: list[str] | None = None) -> None:
     store, busy, notice = fits["store"], fits["busiest"], fits["notice"]
     print(f"model: store {store['cpu_s_per_call'] * 1e6:.1f} us per call, "
           f"{store['cpu_s_per_key'] * 1e9:.0f} ns per key read; peer to peer busiest rank "
-          f"{busy['a'] * 100:.3f} % + {busy['b'] * 100:.2e} % per rank; notice "
-          f"{notice['a'] * 1e3:.1f} ms + {notice['b'] * 1e3:.2f} ms per doubling "
-          f"({math.log2(10_000):.1f} doublings at 10,000)")
+          f"{busy['a'] * 100:.3f} % + {busy['b'] * 100:.2e} % per rank; a rank's part of "
+          f"a broadcast {notice['s_per_rank'] * 1e3:.2f} ms, {math.ceil(math.log2(10_000))} "
+          f"hops at 10,000")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"rows": rows, "model": fits}, indent=1) + "\n")

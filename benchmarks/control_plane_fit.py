@@ -41,9 +41,20 @@ def busiest_fit(rows: list[dict]) -> dict:
 
 
 def notice_fit(rows: list[dict]) -> dict:
-    """A broadcast's time to every rank as a + b log2 N: b per doubling of the job (a hop)."""
-    return _line([(math.log2(row["ranks"]), row["notice_s"]) for row in rows
-                  if not math.isnan(row["notice_s"])])
+    """What one rank's part of a broadcast costs: the simulated ranks share one interpreter,
+    so a broadcast's measured time is every rank's part one after another (least squares
+    through the origin of time against N)."""
+    points = [(row["ranks"], row["notice_s"]) for row in rows if not math.isnan(row["notice_s"])]
+    return {"s_per_rank": sum(n * t for n, t in points) / sum(n * n for n, _ in points)}
+
+
+def notice_s(fit: dict, size: int) -> float:
+    """A broadcast's time to every rank of a real job, where ranks pass it on in parallel: along
+    the longest path of ceil(log2 N) hops, each rank sending to up to 2 ceil(log2 N) children
+    (both trees, the one on the path possibly last), each send a whole rank's part. The
+    network's latency per hop comes on top (tens of microseconds)."""
+    hops = math.ceil(math.log2(size))
+    return hops * 2 * hops * fit["s_per_rank"]
 
 
 def extrapolate(rows: list[dict], fits: dict) -> list[dict]:
@@ -66,7 +77,7 @@ def _modelled(design: str, size: int, largest: dict, mine: list[dict], fits: dic
             "busiest_messages_per_s": largest["busiest_messages_per_s"],
             "busiest_connections": largest["busiest_connections"],
             "store_keys_per_s": 0.0, "rank_cpu_s_per_s": per_rank_cpu,
-            "notice_s": notice["a"] + notice["b"] * math.log2(size)}
+            "notice_s": notice_s(notice, size)}
     store = fits["store"]
     calls = size * largest["store_calls_per_s"] / largest["ranks"]
     keys = size * (size + 1) if design == "all-to-all" else \

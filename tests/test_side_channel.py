@@ -18,7 +18,7 @@ import pytest
 import torch.distributed as dist
 
 from launcher.core.errors import LaunchError
-from launcher.faults import side_socket
+from launcher.faults import side_socket, side_wire
 from launcher.faults.side_channel import ChannelGone, forwards
 from launcher.faults.side_peer import neighbours
 from launcher.faults.side_socket import SocketSideChannel
@@ -195,3 +195,16 @@ def test_a_broadcast_only_passes_through_a_ranks_log_n_neighbours(size):
         assert len(near) <= 2 * max(1, (size - 1).bit_length())
         for origin in range(0, size, max(1, size // 13)):
             assert set(forwards(rank, origin, size)) <= near | {origin}, (rank, origin)
+
+
+def test_frames_come_back_whole_and_strangers_bytes_do_not():
+    item = (7, 3, "ddp.notice", b"line one\nline two \x00")
+    data = side_wire.frame(2, side_wire.BEAT, b"") + side_wire.encode_item("10.0.0.5:4711", item)
+    frames, used = side_wire.unframe(data + b"12 1")  # the start of the next frame
+    assert used == len(data) and frames[0] == (2, "b", b"")
+    assert side_wire.decode_item(frames[1]) == ("10.0.0.5:4711", item)
+    assert side_wire.decode_item(side_wire.unframe(side_wire.encode_item(
+        "", (1, None, "t", b"")))[0][0]) == ("", (1, None, "t", b""))
+    for stranger in (b"GET / HTTP/1.0\r\n", b"1 1 %d\n" % (side_wire.MAX_FRAME + 1)):
+        with pytest.raises(ValueError):
+            side_wire.unframe(stranger)

@@ -1,10 +1,10 @@
 """The side channel over TCP, rank to rank (gloo, nccl): see ``launcher.faults.side_channel``.
 
 Each rank listens on a free port of the interface the ranks share (``JobEnv.network``, the
-route to rank 0) and connects to the ranks it sends to: its two watchers for the beats, and
-for messages its O(log N) tree neighbours and the few ranks it answers. A thread of the
-channel's own reads what arrives and hands it to ``launcher.faults.side_peer``. Nothing
-travels through rank 0 once the channel is open: the rendezvous store is used at the start
+route to rank 0; that interface only) and connects to the ranks it sends to: its two watchers
+for the beats, and for messages its O(log N) tree neighbours and the few ranks it answers. A
+thread of the channel's own reads what arrives and hands it to ``launcher.faults.side_peer``.
+Nothing travels through rank 0 once the channel is open: the rendezvous store is used at the start
 only (every rank's address and node, gathered as the nodes are; then whether each rank reached
 its watchers) and, rarely, to look up the address of a rank not met yet (one read).
 
@@ -17,9 +17,8 @@ Beats are taken on the reading thread itself; messages go to a second thread, wh
 broadcasts on, answers reads and calls the handlers: a send that waits for a connection, or a
 slow handler, never holds up the beats heard.
 
-Frames, not pickles: anyone who reaches the port could send one. A frame's kind is ``b`` for a
-beat, ``l`` for "this rank left", and ``m`` and the message's kind for a message (its origin,
-its origin's address and its broadcast number, or -1, before its payload).
+What travels is frames (``launcher.faults.side_wire``), not pickles: anyone who reaches the
+port could send one.
 """
 
 from __future__ import annotations
@@ -39,6 +38,17 @@ from launcher.core.errors import LaunchError
 from launcher.faults.c10d_log import quiet_c10d
 from launcher.faults.side_channel import ChannelGone
 from launcher.faults.side_peer import PeerSideChannel, neighbours
+from launcher.faults.side_wire import (
+    BEAT,
+    LEFT,
+    MESSAGE,
+    decode_item,
+    encode_item,
+    expand,
+    frame,
+    runs,
+    unframe,
+)
 from launcher.placement import network
 from launcher.placement.env import JobEnv
 
@@ -51,57 +61,6 @@ CONNECT_S = 10.0
 SEND_S = 5.0
 #: how many of the ranks that could not reach a watcher the start-up error names
 NAMED = 3
-_BEAT, _LEFT, _MESSAGE = "b", "l", "m"
-
-
-def _frame(source: int, kind: str, payload: bytes) -> bytes:
-    name = kind.encode()
-    return b"%d %d %d\n" % (source, len(name), len(payload)) + name + payload
-
-
-def _unframe(data: bytes) -> tuple[list[tuple[int, str, bytes]], int]:
-    """The whole frames in ``data`` (source, kind, payload), and where the next one starts;
-    ValueError for bytes that are not frames."""
-    frames, offset = [], 0
-    while (end := data.find(b"\n", offset)) >= 0:
-        source, kind_len, payload_len = (int(field) for field in data[offset:end].split())
-        body = end + 1
-        if body + kind_len + payload_len > len(data):
-            break
-        kind = data[body:body + kind_len].decode()
-        frames.append((source, kind, data[body + kind_len:body + kind_len + payload_len]))
-        offset = body + kind_len + payload_len
-    return frames, offset
-
-
-def _encode_item(address: str, item: tuple) -> bytes:
-    origin, sequence, kind, payload = item
-    number = -1 if sequence is None else sequence
-    return _frame(origin, _MESSAGE + kind, b"%s %d\n" % (address.encode(), number) + payload)
-
-
-def _decode_item(frame: tuple[int, str, bytes]) -> tuple[str, tuple]:
-    """The origin's address ("" when unknown) and the message (origin, number, kind,
-    payload) of a message's frame."""
-    origin, kind, body = frame
-    head, _, payload = body.partition(b"\n")
-    address, sequence = head.decode().rsplit(" ", 1)
-    number = int(sequence)
-    return address, (origin, None if number < 0 else number, kind[len(_MESSAGE):], payload)
-
-
-def _runs(nodes: list[str]) -> str:
-    runs: list[list] = []
-    for node in nodes:
-        if runs and runs[-1][0] == node:
-            runs[-1][1] += 1
-        else:
-            runs.append([node, 1])
-    return json.dumps(runs)
-
-
-def _expand(runs: bytes) -> list[str]:
-    return [node for node, count in json.loads(runs) for _ in range(count)]
 
 
 def reachable_at(env: JobEnv) -> str:
@@ -110,6 +69,15 @@ def reachable_at(env: JobEnv) -> str:
     if env.network is not None and env.network.address:
         return env.network.address
     return network.source_address(env.master_addr)
+
+
+def _listen(host: str) -> socket.socket:
+    """A listening socket on ``host``'s interface only, where ``host`` is this node's; else on
+    every interface (an address this node is reached at but does not hold, behind a NAT)."""
+    try:
+        return socket.create_server((host, 0), backlog=128)
+    except OSError:
+        return socket.create_server(("", 0), backlog=128)
 
 
 def _split(address: str) -> tuple[str, int]:
@@ -122,8 +90,9 @@ class SocketSideChannel(PeerSideChannel):
 
     def __init__(self, env: JobEnv):
         self._env = env
-        self._listener = socket.create_server(("", 0), backlog=128)
-        self.address = f"{reachable_at(env)}:{self._listener.getsockname()[1]}"
+        host = reachable_at(env)
+        self._listener = _listen(host)
+        self.address = f"{host}:{self._listener.getsockname()[1]}"
         self._out: dict[int, socket.socket] = {}
         self._locks: dict[int, threading.Lock] = {}
         self._locks_lock = threading.Lock()
@@ -132,7 +101,7 @@ class SocketSideChannel(PeerSideChannel):
         rank = env.rank
         self._call(store.multi_set, [f"{_ROOT}/addr/{rank}", f"{_ROOT}/node/{rank}"],
                    [self.address, env.node_name])
-        nodes = _expand(self._gathered(store, "node", "nodes", _runs))
+        nodes = expand(self._gathered(store, "node", "nodes", runs))
         super().__init__(env, nodes)
         peers = [peer for peer in dict.fromkeys(
             [*self.watch.watchers, *neighbours(rank, env.world_size), 0]) if peer != rank]
@@ -234,24 +203,24 @@ class SocketSideChannel(PeerSideChannel):
                 sock.sendall(data)
             except OSError as exc:  # it ended (reset), or has not read for SEND_S
                 sock.close()
-                del self._out[peer]
+                self._out.pop(peer, None)
                 self._gone.add(peer)
                 raise ChannelGone(f"rank {peer}: {exc}") from exc
 
     def _beat(self, peer: int) -> None:
         with contextlib.suppress(ChannelGone):  # ended: this rank's other watcher hears it
-            self._send(peer, _frame(self.rank, _BEAT, b""))
+            self._send(peer, frame(self.rank, BEAT, b""))
 
     def _send_item(self, dest: int, item: tuple) -> None:
         address = self.address if item[0] == self.rank else self._addresses.get(item[0], "")
-        self._send(dest, _encode_item(address, item))
+        self._send(dest, encode_item(address, item))
 
     def leave(self, failed: bool = False) -> None:
         """This rank leaves the job (also after a failure): its watchers count it as heard
         from now on (it ended, it is not lost)."""
         for peer in self.watch.watchers:
             with contextlib.suppress(ChannelGone):
-                self._send(peer, _frame(self.rank, _LEFT, b""))
+                self._send(peer, frame(self.rank, LEFT, b""))
 
     def _pump(self) -> None:
         selector = selectors.DefaultSelector()
@@ -284,20 +253,20 @@ class SocketSideChannel(PeerSideChannel):
         if not chunk:
             return False
         try:
-            frames, used = _unframe(buffer[0] + chunk)
+            frames, used = unframe(buffer[0] + chunk)
             buffer[0] = (buffer[0] + chunk)[used:]
-            for frame in frames:
-                self._take(frame)
+            for framed in frames:
+                self._take(framed)
         except (ValueError, UnicodeDecodeError):
             return False
         return True
 
-    def _take(self, frame: tuple[int, str, bytes]) -> None:
-        source, kind, _ = frame
-        if kind in (_BEAT, _LEFT):
-            self._heard(source, left=kind == _LEFT)
-        elif kind.startswith(_MESSAGE):
-            address, item = _decode_item(frame)
+    def _take(self, framed: tuple[int, str, bytes]) -> None:
+        source, kind, _ = framed
+        if kind in (BEAT, LEFT):
+            self._heard(source, left=kind == LEFT)
+        elif kind.startswith(MESSAGE):
+            address, item = decode_item(framed)
             if address:
                 self._addresses.setdefault(item[0], address)
             self._inbox.put(item)
