@@ -116,7 +116,7 @@ class PeerToPeer:
                       node_rank=rank // RANKS_PER_NODE, hosts=hosts, master_addr="127.0.0.1",
                       master_port=port)
         self.rendezvous = _client(port)
-        self.channel = SocketSideChannel(env)
+        self.channel = SocketSideChannel(env, self.rendezvous)
         self.notice_at: float | None = None
         self.channel.on(_NOTICE, self._noticed)
 

@@ -19,8 +19,7 @@ import torch.distributed as dist
 
 from launcher.core.errors import LaunchError
 from launcher.faults import side_socket, side_wire
-from launcher.faults.side_channel import ChannelGone, forwards
-from launcher.faults.side_peer import neighbours
+from launcher.faults.side_channel import ChannelGone, forwards, neighbours
 from launcher.faults.side_socket import SocketSideChannel
 from launcher.placement.env import detect_environment
 
@@ -38,8 +37,9 @@ def _open(port: int, world: int = WORLD) -> list:
     opened: list = [None] * world
 
     def open_rank(rank: int) -> None:
-        try:
-            opened[rank] = SocketSideChannel(_env(rank, port, world))
+        try:  # each rank over its own rendezvous client, as in a job
+            store = dist.TCPStore("127.0.0.1", port, is_master=False)
+            opened[rank] = SocketSideChannel(_env(rank, port, world), store)
         except Exception as exc:  # noqa: BLE001 - what each rank raised is the result
             opened[rank] = exc
 

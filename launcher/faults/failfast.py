@@ -199,7 +199,7 @@ def _open_channel(env: JobEnv, store: dist.Store | None) -> SideChannel:
     """Collective: the side channel over TCP when there is a rendezvous store (gloo, nccl),
     else over MPI."""
     if store is not None:
-        return SocketSideChannel(env)
+        return SocketSideChannel(env, store)
     from mpi4py import MPI
 
     from launcher.faults.side_mpi import MpiSideChannel

@@ -13,7 +13,7 @@ the same methods:
 - ``MpiSideChannel`` (the mpi backend; ``launcher.faults.side_mpi``): MPI messages on a ``Dup``
   of ``MPI_COMM_WORLD``, looked for every ``MPI_POLL_S`` by a thread of its own.
 
-Both send from rank to rank (``launcher.faults.side_peer``): a beat goes to this rank's two
+Both send from rank to rank (``SideChannel`` here): a beat goes to this rank's two
 watchers only, a broadcast travels along two binomial trees rooted at its origin (O(log N)
 hops; a rank that stopped inside one tree leaves the other one to carry it), and a post is
 read by asking its rank.
@@ -24,16 +24,21 @@ cannot reach the others raises ``ChannelGone``.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from launcher.faults import watch
 from launcher.placement.env import JobEnv
 
 #: how often the MPI transport looks for messages (each look is one MPI_Iprobe)
 MPI_POLL_S = 0.05
 #: what a ``read`` of another rank's post waits for by default
 READ_S = 5.0
+#: the channel's own kinds: a read of a post ("ASK NAME"), and its answer ("ASK -" for none,
+#: "ASK +VALUE"): no pickles, since anyone who reaches a TCP transport's port can send one
+_READ, _ANSWER = "ddp.read", "ddp.answer"
 
 
 @dataclass(frozen=True)
@@ -53,36 +58,6 @@ class ChannelGone(Exception):
     """A call on the side channel failed: the rank it was for ended or cannot be reached, or
     the MPI library reports a peer gone. Both transports raise only this, so that their callers
     read it as "the others are out of reach" and a bug in a handler is never taken for it."""
-
-
-class SideChannel:
-    """What both transports share: handlers, and the nodes of the ranks."""
-
-    def __init__(self, env: JobEnv, nodes: Sequence[str]):
-        self.rank = env.rank
-        self.world_size = env.world_size
-        #: every rank's node (``JobEnv.node_name``), in rank order
-        self.nodes = list(nodes)
-        self._handlers: dict[str, Handler] = {}
-
-    def node(self, rank: int) -> str:
-        return self.nodes[rank]
-
-    def on(self, kind: str, handler: Handler) -> None:
-        """Call ``handler`` for each message of ``kind`` (one handler per kind)."""
-        self._handlers[kind] = handler
-
-    def _deliver(self, message: Message) -> None:
-        handler = self._handlers.get(message.kind)
-        if handler is not None:
-            handler(message)
-
-    def read_many(self, ranks: Sequence[int], name: str,
-                  timeout_s: float = READ_S) -> dict[int, bytes | None]:
-        return {rank: self.read(rank, name, timeout_s) for rank in ranks}
-
-    def read(self, rank: int, name: str, timeout_s: float = READ_S) -> bytes | None:
-        return self.read_many([rank], name, timeout_s)[rank]
 
 
 def tree_children(position: int, size: int) -> list[int]:
@@ -129,3 +104,131 @@ class Posts:
         with self._arrived:
             self._arrived.wait_for(lambda: all(ask in self._answers for ask in asks), timeout_s)
             return [self._answers.pop(ask, None) for ask in asks]
+
+
+def neighbours(rank: int, size: int) -> list[int]:
+    """Every rank that ``rank`` may pass a broadcast on to, whatever its origin: a binomial
+    tree's children lie 2**k positions away, up or down."""
+    found, step = {}, 1
+    while step < size:
+        found.update(dict.fromkeys(((rank + step) % size, (rank - step) % size)))
+        step *= 2
+    found.pop(rank, None)
+    return list(found)
+
+
+class SideChannel:
+    """Beats, messages, broadcasts and posts from rank to rank, no rank in the middle. A
+    transport moves the bytes (``_beat``: to one watcher; ``_send_item``: one message to one
+    rank) and calls ``_heard`` and ``_receive`` for what arrives, on a thread of its own."""
+
+    def __init__(self, env: JobEnv, nodes: Sequence[str]):
+        self.rank = env.rank
+        self.world_size = env.world_size
+        #: every rank's node (``JobEnv.node_name``), in rank order
+        self.nodes = list(nodes)
+        self._handlers: dict[str, Handler] = {}
+        self.watch = watch.watch(self.nodes, env.rank)
+        self._heard_now: set[int] = set()
+        #: the watched ranks that left the job (``leave``): heard from, whatever comes
+        self._left: set[int] = set()
+        self._heard_lock = threading.Lock()
+        self._seen: set[tuple[int, int]] = set()
+        self._sequence = 0
+        self._posts = Posts()
+
+    def node(self, rank: int) -> str:
+        return self.nodes[rank]
+
+    def on(self, kind: str, handler: Handler) -> None:
+        """Call ``handler`` for each message of ``kind`` (one handler per kind)."""
+        self._handlers[kind] = handler
+
+    def _deliver(self, message: Message) -> None:
+        handler = self._handlers.get(message.kind)
+        if handler is not None:
+            handler(message)
+
+    def _beat(self, peer: int) -> None:
+        raise NotImplementedError
+
+    def _send_item(self, dest: int, item: tuple) -> None:
+        """Send ``item`` to ``dest``; ChannelGone when it cannot go."""
+        raise NotImplementedError
+
+    def exchange(self) -> set[int]:
+        """Beat to the watchers; the watched ranks heard since the last call."""
+        for peer in self.watch.watchers:
+            self._beat(peer)
+        with self._heard_lock:
+            heard, self._heard_now = self._heard_now, set()
+            return heard | self._left
+
+    def _heard(self, source: int, left: bool = False) -> None:
+        with self._heard_lock:
+            (self._left if left else self._heard_now).add(source)
+
+    def send(self, dest: int, kind: str, payload: bytes = b"") -> None:
+        self._send_item(dest, (self.rank, None, kind, payload))
+
+    def broadcast(self, kind: str, payload: bytes = b"") -> None:
+        """To every other rank; ChannelGone when neither tree could take it."""
+        self._sequence += 1
+        item = (self.rank, self._sequence, kind, payload)
+        self._seen.add((self.rank, self._sequence))
+        if not self._pass_on(item) and self.world_size > 1:
+            raise ChannelGone(f"no rank took rank {self.rank}'s broadcast")
+
+    def _pass_on(self, item: tuple) -> int:
+        """Send a broadcast on to this rank's children in both trees; how many took it. A
+        child out of reach is left to the other tree."""
+        origin, taken = item[0], 0
+        for peer in forwards(self.rank, origin, self.world_size):
+            if peer != origin:
+                try:
+                    self._send_item(peer, item)
+                    taken += 1
+                except ChannelGone:
+                    pass
+        return taken
+
+    def post(self, name: str, value: bytes) -> None:
+        self._posts.own[name] = value
+
+    def read_many(self, ranks: Sequence[int], name: str,
+                  timeout_s: float = READ_S) -> dict[int, bytes | None]:
+        """Each of ``ranks``' post ``name`` (None: none, or no answer within ``timeout_s``)."""
+        asks = []
+        for rank in ranks:
+            ask = self._posts.ask()
+            asks.append(ask)
+            if rank == self.rank:
+                self._posts.answer(ask, self._posts.own.get(name))
+            else:
+                try:
+                    self.send(rank, _READ, b"%d %s" % (ask, name.encode()))
+                except ChannelGone:
+                    self._posts.answer(ask, None)
+        return dict(zip(ranks, self._posts.await_answers(asks, timeout_s), strict=True))
+
+    def read(self, rank: int, name: str, timeout_s: float = READ_S) -> bytes | None:
+        return self.read_many([rank], name, timeout_s)[rank]
+
+    def _receive(self, item: tuple) -> None:
+        origin, sequence, kind, payload = item
+        if sequence is not None:  # a broadcast: once, passed on first
+            if (origin, sequence) in self._seen:
+                return
+            self._seen.add((origin, sequence))
+            self._pass_on(item)
+        if kind == _READ:
+            ask, name = payload.decode().split(" ", 1)
+            value = self._posts.own.get(name)
+            with contextlib.suppress(ChannelGone):  # the asker ended: nobody waits for it
+                self.send(origin, _ANSWER, ask.encode() + (
+                    b" -" if value is None else b" +" + value))
+        elif kind == _ANSWER:
+            ask, _, value = payload.partition(b" ")
+            self._posts.answer(int(ask), None if value == b"-" else value[1:])
+        else:
+            self._deliver(Message(origin, kind, payload))

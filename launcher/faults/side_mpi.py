@@ -3,7 +3,7 @@
 Beats are empty messages to this rank's watchers (``launcher.faults.watch``), one in flight per
 watcher so a stopped one's do not pile up. Everything else is one pickled tuple per message;
 a thread of the channel's own looks for both every ``MPI_POLL_S`` and hands them to
-``launcher.faults.side_peer`` (broadcasts passed on, reads answered, handlers called). MPI
+``SideChannel`` (broadcasts passed on, reads answered, handlers called). MPI
 connects lazily, so no rank holds a connection to every other one.
 """
 
@@ -15,8 +15,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from launcher.faults.side_channel import MPI_POLL_S, ChannelGone
-from launcher.faults.side_peer import PeerSideChannel
+from launcher.faults.side_channel import MPI_POLL_S, ChannelGone, SideChannel
 from launcher.placement.env import JobEnv
 
 _BEAT, _MESSAGE, _LEFT = 11, 12, 13
@@ -24,7 +23,7 @@ _BEAT, _MESSAGE, _LEFT = 11, 12, 13
 LEAVE_S = 1.0
 
 
-class MpiSideChannel(PeerSideChannel):
+class MpiSideChannel(SideChannel):
     """The side channel on a duplicate of ``MPI_COMM_WORLD``."""
 
     def __init__(self, env: JobEnv, world):

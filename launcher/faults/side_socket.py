@@ -3,7 +3,7 @@
 Each rank listens on a free port of the interface the ranks share (``JobEnv.network``, the
 route to rank 0; that interface only) and connects to the ranks it sends to: its two watchers
 for the beats, and for messages its O(log N) tree neighbours and the few ranks it answers. A
-thread of the channel's own reads what arrives and hands it to ``launcher.faults.side_peer``.
+thread of the channel's own reads what arrives and hands it to ``SideChannel``.
 Nothing travels through rank 0 once the channel is open: the rendezvous store is used at the start
 only (every rank's address and node, gathered as the nodes are; then whether each rank reached
 its watchers) and, rarely, to look up the address of a rank not met yet (one read).
@@ -36,8 +36,7 @@ import torch.distributed as dist
 
 from launcher.core.errors import LaunchError
 from launcher.faults.c10d_log import quiet_c10d
-from launcher.faults.side_channel import ChannelGone
-from launcher.faults.side_peer import PeerSideChannel, neighbours
+from launcher.faults.side_channel import ChannelGone, SideChannel, neighbours
 from launcher.faults.side_wire import (
     BEAT,
     LEFT,
@@ -85,10 +84,13 @@ def _split(address: str) -> tuple[str, int]:
     return host, int(port)
 
 
-class SocketSideChannel(PeerSideChannel):
+class SocketSideChannel(SideChannel):
     """The side channel over TCP connections between the ranks."""
 
-    def __init__(self, env: JobEnv):
+    def __init__(self, env: JobEnv, store: dist.Store):
+        """Collective. ``store``: the rendezvous', free at this point (NCCL, which blocks its
+        client in ``get`` when it builds a communicator, has built none yet): no second
+        connection per rank to rank 0, not even at the start."""
         self._env = env
         host = reachable_at(env)
         self._listener = _listen(host)
@@ -97,7 +99,6 @@ class SocketSideChannel(PeerSideChannel):
         self._locks: dict[int, threading.Lock] = {}
         self._locks_lock = threading.Lock()
         self._gone: set[int] = set()
-        store = self._client(START_S)
         rank = env.rank
         self._call(store.multi_set, [f"{_ROOT}/addr/{rank}", f"{_ROOT}/node/{rank}"],
                    [self.address, env.node_name])
@@ -129,12 +130,14 @@ class SocketSideChannel(PeerSideChannel):
                 "each other on every TCP port (a firewall between them?), or name the "
                 "interface the nodes share with --ifname (GLOO_SOCKET_IFNAME)")
 
-    def _client(self, timeout_s: float) -> dist.TCPStore:
+    def _client(self) -> dist.TCPStore:
+        """A client of the rendezvous store of its own, for a look-up mid-job: the
+        rendezvous' may be held by NCCL by then."""
         env = self._env
         try:
             with quiet_c10d():
                 return dist.TCPStore(env.master_addr, env.master_port, is_master=False,
-                                     timeout=timedelta(seconds=timeout_s))
+                                     timeout=timedelta(seconds=CONNECT_S))
         except (RuntimeError, OSError) as exc:
             raise ChannelGone(str(exc)) from exc
 
@@ -175,8 +178,8 @@ class SocketSideChannel(PeerSideChannel):
         """Where ``peer`` listens: known since the start or from its messages, else read from
         the rendezvous store (which must still be there)."""
         if peer not in self._addresses:
-            store = self._client(CONNECT_S)
-            self._addresses[peer] = self._call(store.get, f"{_ROOT}/addr/{peer}").decode()
+            self._addresses[peer] = self._call(self._client().get,
+                                               f"{_ROOT}/addr/{peer}").decode()
         return self._addresses[peer]
 
     def _connection(self, peer: int) -> socket.socket:
@@ -252,9 +255,10 @@ class SocketSideChannel(PeerSideChannel):
             return False
         if not chunk:
             return False
+        data = buffer[0] + chunk
         try:
-            frames, used = unframe(buffer[0] + chunk)
-            buffer[0] = (buffer[0] + chunk)[used:]
+            frames, used = unframe(data)
+            buffer[0] = data[used:]
             for framed in frames:
                 self._take(framed)
         except (ValueError, UnicodeDecodeError):
