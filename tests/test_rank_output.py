@@ -55,6 +55,32 @@ def test_rank_0s_printed_line_goes_out_with_its_newline(tmp_path, monkeypatch):
     assert inner.sent == ["[rank 0] hang: rank 2 ...\n", "\r[#.] 1/2"]
 
 
+class Writes(io.StringIO):
+    """An unbuffered inner stream, as stderr is: each write goes out at once."""
+
+    def __init__(self):
+        super().__init__()
+        self.sent = []
+
+    def write(self, text):
+        self.sent.append(text)
+        return super().write(text)
+
+
+def test_rank_0s_line_goes_out_in_one_write_to_an_unbuffered_stream(tmp_path, monkeypatch):
+    """stderr writes through: CI saw rank 1's hang line land between rank 0's and its newline
+    under mpiexec."""
+    inner = Writes()
+    monkeypatch.setattr(sys, "stderr", inner)
+    with rank_output.teed(tmp_path, rank=0, world_size=2, node="n0"):
+        print("[rank 0] hang: rank 1 ...", file=sys.stderr, flush=True)
+        sys.stderr.write("\r[#.] 1/2")
+        print("a prompt: ", end="", file=sys.stderr, flush=True)
+        sys.stderr.write("not yet asked for")
+    assert inner.sent == ["[rank 0] hang: rank 1 ...\n", "\r[#.] 1/2", "a prompt: ",
+                          "not yet asked for"]
+
+
 def test_other_ranks_lines_are_labelled_whole(tmp_path, monkeypatch):
     inner = io.StringIO()
     monkeypatch.setattr(sys, "stderr", inner)

@@ -51,12 +51,13 @@ class _Tee(io.TextIOBase):
         self._log.write(text)
         self._log.flush()
         if not self._prefix:
-            # as it is, partial lines too (a progress bar redrawn with \r), but out only at a
-            # line's or a redraw's end: print() writes a line and its newline apart, and sent
-            # apart, another rank's line may land between the two in the job log
-            self._inner.write(text)
+            # as it is, partial lines too (a progress bar redrawn with \r), but out only with
+            # a line's end or a redraw, in one write: print() writes a line and its newline
+            # apart, stderr sends each write at once (unbuffered), and sent apart, another
+            # rank's line may land between the two in the job log
+            self._pending += text
             if "\n" in text or "\r" in text:
-                self._inner.flush()
+                self._send_pending()
             return
         # whole lines in one write: under mpiexec that keeps another rank's out of them
         *lines, self._pending = (self._pending + text).split("\n")
@@ -64,9 +65,19 @@ class _Tee(io.TextIOBase):
             self._inner.write("".join(f"{self._prefix}{line}\n" for line in lines))
         self._inner.flush()
 
+    def _send_pending(self) -> None:
+        if self._pending:
+            self._inner.write(self._pending)
+            self._pending = ""
+        self._inner.flush()
+
     def flush(self) -> None:
         self._log.flush()
-        self._inner.flush()
+        if self._prefix:
+            self._inner.flush()
+            return
+        with self._lock:  # rank 0's partial line, asked for (a prompt printed with end="")
+            self._send_pending()
 
     def isatty(self) -> bool:
         return self._inner.isatty()
@@ -89,7 +100,9 @@ class _Tee(io.TextIOBase):
 
     def finish(self) -> TextIO:
         """The inner stream, after the rest of a partial line."""
-        if self._pending:
+        if not self._prefix:
+            self.flush()
+        elif self._pending:
             self._inner.write(f"{self._prefix}{self._pending}\n")
             self._inner.flush()
         return self._inner

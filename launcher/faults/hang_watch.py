@@ -211,7 +211,7 @@ class HangWatch:
             self._deciding.release()
         if line is None:
             self._no_verdict.set()
-            self._channel.broadcast("hang.none")
+            _sent(self._channel.broadcast, "hang.none")
             return
         self._end_all(line, directory)
 
@@ -223,7 +223,7 @@ class HangWatch:
         self._looking.set()
         self._round += 1
         asked = {"round": self._round, "dir": str(directory)}
-        self._channel.broadcast("hang.where?", json.dumps(asked).encode())
+        _sent(self._channel.broadcast, "hang.where?", json.dumps(asked).encode())
         self._answer(json.dumps(asked).encode())
         answers = self._answers()
         if self._fall_silent({r for r, a in answers.items() if a is None} - set(self._ended)):
@@ -277,7 +277,7 @@ class HangWatch:
         return answers
 
     def _end_all(self, line: str, directory: Path) -> None:
-        self._channel.broadcast("hang.verdict", line.encode())
+        _sent(self._channel.broadcast, "hang.verdict", line.encode())
         _print(self.rank, line)
         _print(self.rank, f"HINT: every rank's stacks and last calls are in {directory}; "
                f"python -m launcher.hang {self._run_dir or directory} prints them again")
@@ -299,8 +299,8 @@ def in_call() -> str:
 
 
 def _sent(action: Callable, *args) -> bool:
-    """One call on the side channel; False when the channel is gone: its host, rank 0, ended
-    (with its verdict, or the heartbeats name it)."""
+    """One call on the side channel; False when the ranks it was for are out of reach: they
+    ended (with a verdict, or the heartbeats name them)."""
     try:
         action(*args)
     except ChannelGone:
