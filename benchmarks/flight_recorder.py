@@ -6,7 +6,10 @@
 One process, a gloo group of one rank (no peer to wait for, so the call's own cost is all
 there is). Three measurements, each without the recorder, with it, and (``--before REV``) with
 the recorder of an earlier commit read from git, taking turns in rounds so that load from other
-processes falls on all alike; the best tenth of a round of each:
+processes falls on all alike. A round times each mode's best tenth of its calls; the table gives
+the best round of each mode and, as its cost, the median over rounds of the difference from
+the same round's "without" (paired: a change of load between rounds cancels; on this VM two
+identical columns differed by up to 15 µs a step in their best rounds):
 
 - ``wrapper``: the recorder's wrapper around a function that does nothing (its whole cost);
 - ``all_reduce 4 KiB``: ``dist.all_reduce`` of 1024 floats;
@@ -16,7 +19,9 @@ processes falls on all alike; the best tenth of a round of each:
   (``launcher.faults.ddp_steps``);
 - ``step, torch's hook``: the same step with torch's ``allreduce_hook`` in every column (a
   Python communication hook, whose ``all_reduce`` the wrapper records too), which tells the
-  price of any Python communication hook from that of the recording.
+  price of any Python communication hook from that of the recording;
+- ``all_reduce 4 KiB, nccl`` where CUDA is: on an nccl group of one, with the event the
+  recorder keeps per nccl call.
 """
 
 from __future__ import annotations
@@ -24,13 +29,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 import types
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -39,6 +44,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from launcher.faults import ddp_steps
 from launcher.faults import flight_recorder as fr
+from launcher.placement.ports import free_port
 from launcher.training.models import build_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -57,16 +63,42 @@ def per_call(op, calls: int) -> float:
     return best
 
 
-def before(revision: str) -> types.ModuleType:
-    """``launcher/faults/flight_recorder.py`` as it was at ``revision``, as a module of its own."""
-    source = subprocess.run(["git", "show", f"{revision}:launcher/faults/flight_recorder.py"],
-                            cwd=REPO, capture_output=True, text=True, check=True).stdout
-    module = types.ModuleType("flight_recorder_before")
+def _module_at(revision: str, name: str, **names) -> types.ModuleType | None:
+    """``launcher/faults/NAME.py`` as it was at ``revision``, as a module of its own whose
+    ``from launcher.faults import`` of ``names`` gets those; None where it did not exist."""
+    shown = subprocess.run(["git", "show", f"{revision}:launcher/faults/{name}.py"],
+                           cwd=REPO, capture_output=True, text=True)
+    if shown.returncode:
+        return None
+    source = shown.stdout
+    for imported in names:
+        source = source.replace(f"from launcher.faults import {imported}\n", "\n")
+    module = types.ModuleType(f"{name}_before")
     module.__file__ = fr.__file__
+    module.__dict__.update(names)
     sys.modules[module.__name__] = module  # dataclasses look the module up
-    exec(compile(source, f"{revision}:launcher/faults/flight_recorder.py", "exec"),
-         module.__dict__)
+    exec(compile(source, f"{revision}:launcher/faults/{name}.py", "exec"), module.__dict__)
     return module
+
+
+class Before:
+    """The recorder of an earlier commit as its process group installed it: its wrapped
+    functions and, where it had them, its DDP steps."""
+
+    def __init__(self, revision: str):
+        self.recorder = _module_at(revision, "flight_recorder")
+        self.steps = _module_at(revision, "ddp_steps", flight_recorder=self.recorder)
+        self._wrap = self.recorder._wrap
+
+    def install(self) -> None:
+        self.recorder.install()
+        if self.steps is not None:
+            self.steps.install()
+
+    def uninstall(self) -> None:
+        self.recorder.uninstall()
+        if self.steps is not None:
+            self.steps.uninstall()
 
 
 def contenders(recorders: dict) -> dict[str, tuple]:
@@ -94,14 +126,26 @@ def contenders(recorders: dict) -> dict[str, tuple]:
             dist.all_reduce(torch.zeros(1))
         return step
 
-    steps = {mode: stepper(None) for mode in recorders}
+    # one DDP per contender, every mode timing it: two DDPs built alike took up to 15 µs a
+    # step apart here, as much as the recording costs
+    step, hooked = stepper(None), stepper(default_hooks.allreduce_hook)
     return {"wrapper": (20000, False, {mode: (lambda op=op: op(tensor))
                                        for mode, op in wrapped.items()}),
             "all_reduce 4 KiB": (5000, True,
                                  dict.fromkeys(recorders, lambda: dist.all_reduce(tensor))),
-            "step": (100, True, steps),
-            "step, torch's hook": (100, True, {mode: stepper(default_hooks.allreduce_hook)
-                                               for mode in recorders})}
+            "step": (100, True, dict.fromkeys(recorders, step)),
+            "step, torch's hook": (100, True, dict.fromkeys(recorders, hooked)),
+            **_on_a_gpu(recorders)}
+
+
+def _on_a_gpu(recorders: dict) -> dict[str, tuple]:
+    """Where CUDA is: a 4 KiB all_reduce on an nccl group of one (the recorder keeps an event
+    per call, to tell a call that returned from one whose kernel finished)."""
+    if not torch.cuda.is_available():
+        return {}
+    group, tensor = dist.new_group(backend="nccl"), torch.ones(1024, device="cuda")
+    return {"all_reduce 4 KiB, nccl": (5000, True, dict.fromkeys(
+        recorders, lambda: dist.all_reduce(tensor, group=group)))}
 
 
 class Recording:
@@ -124,7 +168,7 @@ class Recording:
 def measure(rounds: int, recorders: dict) -> list[dict]:
     results = {}
     for name, (calls, installs, ops) in contenders(recorders).items():
-        best = dict.fromkeys(recorders, float("inf"))
+        times = {mode: [] for mode in recorders}
         for _ in range(rounds):
             for mode, recorder in recorders.items():
                 for other in recorders.values():
@@ -132,18 +176,19 @@ def measure(rounds: int, recorders: dict) -> list[dict]:
                         other.uninstall()
                 if recorder is not None and installs:
                     recorder.install()
-                best[mode] = min(best[mode], per_call(ops[mode], calls))
-        results[name] = best
+                times[mode].append(per_call(ops[mode], calls))
+        results[name] = times
     for recorder in recorders.values():
         if recorder is not None:
             recorder.uninstall()
     rows = []
     for name, t in results.items():
-        row = {"measure": name, **{f"{mode}_us": 1e6 * t[mode] for mode in recorders}}
+        row = {"measure": name, **{f"{mode}_us": 1e6 * min(t[mode]) for mode in recorders}}
         for mode in recorders:
             if mode != "without":
-                row[f"{mode}_overhead_us"] = 1e6 * (t[mode] - t["without"])
-                row[f"{mode}_overhead_pct"] = 100 * (t[mode] / t["without"] - 1)
+                paired = float(np.median(np.subtract(t[mode], t["without"])))
+                row[f"{mode}_overhead_us"] = 1e6 * paired
+                row[f"{mode}_overhead_pct"] = 100 * paired / float(np.median(t["without"]))
         rows.append(row)
     return rows
 
@@ -151,16 +196,13 @@ def measure(rounds: int, recorders: dict) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", type=Path, help="write the results here")
-    parser.add_argument("--rounds", type=int, default=10, help="rounds per measurement")
+    parser.add_argument("--rounds", type=int, default=30, help="rounds per measurement")
     parser.add_argument("--before", metavar="REV",
                         help="also measure the recorder of this git commit, side by side")
     args = parser.parse_args()
-    recorders = {"without": None, **({"before": before(args.before)} if args.before else {}),
+    recorders = {"without": None, **({"before": Before(args.before)} if args.before else {}),
                  "with": Recording}
-    with socket.socket() as free:
-        free.bind(("127.0.0.1", 0))
-        port = free.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     torch.set_num_threads(1)  # several threads on a loaded machine time the load, not the step
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:

@@ -70,6 +70,30 @@ def test_lost_peer_names_its_nodes_beside_the_status(tmp_path):
     assert status.startswith(f"{EXIT_PEER_LOST} rank 1")
 
 
+def test_a_thread_ends_the_rank_for_a_lost_peer_as_the_main_thread_would(tmp_path):
+    """``exits.lost_peer_ending`` (nccl's waits are watched by a thread): the same files, the
+    error and its HINT on stderr, exit 3, from a thread whose main thread waits elsewhere."""
+    script = (
+        "import threading, time\n"
+        "from launcher.core.errors import PeerLost\n"
+        "from launcher.faults import exits\n"
+        "from launcher.placement.env import detect_environment\n"
+        "end = exits.lost_peer_ending(detect_environment({}), __import__('pathlib').Path(RUN))\n"
+        "lost = PeerLost('all_reduce on the GPU did not complete: rank 1 (n1)', 'look at n1',"
+        " nodes=('n1',))\n"
+        "threading.Thread(target=end, args=(lost,)).start()\n"
+        "time.sleep(60)\n").replace("RUN", repr(str(tmp_path)))
+    ended = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                           timeout=60, env=clean_environ(), cwd=REPO_ROOT)
+    assert ended.returncode == EXIT_PEER_LOST, ended.stderr
+    assert ended.stderr.splitlines() == [
+        "[rank 0] error: all_reduce on the GPU did not complete: rank 1 (n1)",
+        "[rank 0] HINT: look at n1"], ended.stderr
+    assert (tmp_path / run_files.LOST_NODES_FILE).read_text() == "n1\n"
+    assert (tmp_path / run_files.EXIT_STATUS_FILE).read_text().startswith(
+        f"{EXIT_PEER_LOST} all_reduce on the GPU did not complete")
+
+
 def test_a_survivor_that_named_nobody_leaves_the_names_alone(tmp_path):
     (tmp_path / run_files.LOST_NODES_FILE).write_text("n2\n")  # another survivor's
     with pytest.raises(PeerLost), exit_status.recorded(tmp_path, rank=0):

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import socket
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -11,18 +11,17 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from launcher.faults import ddp_steps
+from launcher.core.errors import PeerLost
+from launcher.faults import ddp_steps, gpu_waits, hang_watch, heartbeat, record_entry
 from launcher.faults import flight_recorder as fr
+from launcher.placement.ports import free_port
 from tests.fixtures.mpi import json_objects, run_mpi
 
 
 @pytest.fixture
 def group(monkeypatch):
-    with socket.socket() as free:
-        free.bind(("127.0.0.1", 0))
-        port = free.getsockname()[1]
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(port))
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
     fr.install()
     yield
@@ -84,6 +83,48 @@ def test_only_the_last_entries_stay(group):
     assert len(seqs) == fr.CAPACITY and seqs[-1] == fr.CAPACITY + 5
 
 
+def _as_on_a_gpu(finished: list[bool]) -> fr.Ring:
+    """The default group's ring as an nccl group's keeps it: its calls, one per item, each
+    with a kernel that has finished or not (CUDA events here, and here there is no GPU)."""
+    for _ in finished:
+        dist.all_reduce(torch.ones(1))
+    ring = fr._ring(None)
+    ring.gpu = True
+    for raw, done in zip(ring.entries, finished, strict=True):
+        raw[record_entry.DONE] = lambda done=done: done
+    return ring
+
+
+def test_an_nccl_call_is_waited_in_until_its_kernel_finishes(group):
+    """The oldest call whose kernel runs is where the rank waits, however many it made since
+    (the GPU runs them in order); a finished kernel is not asked again."""
+    ring = _as_on_a_gpu([True, False, False])
+    entry, waited = fr.waiting_on_gpu()
+    assert (entry.seq, entry.state) == (2, record_entry.ON_GPU) and waited >= 0
+    assert fr.current().label() == "all_reduce #2"
+    assert hang_watch.in_call().startswith(" in all_reduce #2 at ")
+    assert ring.entries[0][record_entry.DONE] is None
+    ring.entries[1][record_entry.DONE] = ring.entries[2][record_entry.DONE] = lambda: True
+    assert fr.waiting_on_gpu() is None and fr.current().label() == "all_reduce #3"
+
+
+def test_an_nccl_call_past_the_timeout_is_a_wait_past_it(group):
+    """The thread that waits for nccl's calls hands one past the timeout to the heartbeats,
+    which (none here) end the rank naming the call."""
+    _as_on_a_gpu([False])
+    lost = []
+    waits = gpu_waits.GpuWaits(0.01, 0, lost.append)
+    try:
+        deadline = time.monotonic() + 5 * heartbeat.BEAT_S
+        while not lost and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        waits.stop()
+    assert len(lost) == 1 and isinstance(lost[0], PeerLost)
+    assert lost[0].message.startswith("all_reduce on the GPU did not complete within")
+    assert "(this is rank 0 in all_reduce #1 at " in lost[0].message
+
+
 @pytest.fixture
 def recorded_ddp(group):
     ddp_steps.install()
@@ -97,7 +138,9 @@ def _steps() -> list[dict]:
 
 def test_a_ddp_backward_is_one_entry_from_the_backward_line(recorded_ddp):
     model = DistributedDataParallel(torch.nn.Linear(3, 2))  # a script's own DDP
-    model(torch.ones(4, 3)).sum().backward()  # the backward
+    loss = model(torch.ones(4, 3)).sum()
+    assert _steps() == []  # its forward and loss are not in it
+    loss.backward()  # the backward
     [step] = _steps()
     assert (step["op"], step["state"]) == ("all_reduce", "done")
     assert step["nbytes"] == (3 * 2 + 2) * 4 and step["dtype"] == "float32"
@@ -130,19 +173,6 @@ def test_the_entry_ends_when_the_last_bucket_is_reduced(recorded_ddp):
     model(torch.ones(4, 3)).sum().backward()
     [step] = _steps()
     assert step["end_ns"] - step["start_ns"] >= 0.3e9, step
-
-
-def test_a_backward_in_a_thread_of_torchs_own_is_placed_where_the_main_thread_is(group):
-    """CUDA runs backward, and so the hook, in a thread of the autograd engine, with no frame
-    that called it: the call is placed where the main thread waits for it."""
-    # a Timer: only the standard library's frames, and time for the main thread to wait
-    worker = threading.Timer(0.2, fr.begin, args=(None, "all_reduce", torch.ones(2),
-                                                  ddp_steps.NOTE, None))
-    worker.start()
-    worker.join()  # the main thread
-    entry = fr.snapshot()[-1]
-    assert entry["where"].endswith(f"test_flight_recorder.py:{_line('# the main thread')}")
-    assert entry["state"] == "running"
 
 
 def test_launcher_trains_timed_hook_keeps_ddps_own_weights_and_every_ddp_is_recorded():

@@ -3,35 +3,40 @@ entry per backward, for every DDP, with DDP's own reducer.
 
 DDP's reducer calls the process group from C++, past the wrapped ``torch.distributed``
 functions, so a rank that never reaches backward would leave the others waiting in a call that
-no recorder saw. ``install`` makes every ``DistributedDataParallel`` whose backward syncs
-gradients (not under ``no_sync``) record that backward's all-reduces as one entry,
+no recorder saw. ``install`` makes every ``DistributedDataParallel`` whose forward syncs
+gradients (grad enabled, not under ``no_sync``) record the backward that follows as one entry,
 ``all_reduce #N (DDP gradients)``, at the line that called backward:
 
-- begun when the backward reaches the forward's outputs (a hook on each, the first gradient to
-  arrive begins it), so a rank still in its forward, its data loader or its loss is not in it;
-- ended by an autograd engine callback queued behind the reducer's own, which waits for the
-  last bucket: callbacks run in the order they were queued, and one queued from a callback
-  runs after every one queued during the backward.
+- the forward only marks its DDP as due (no hook on the graph: a Python pre-hook that the
+  engine called in backward and two engine callbacks to end the entry cost about twice as much,
+  benchmarks/README.md);
+- ``torch.autograd.backward`` (which ``Tensor.backward`` calls) begins the due DDPs' entries
+  and ends them when it returns: by then DDP's reducer has every bucket back, since it waits
+  for them in a callback that the engine runs before backward returns. A rank still in its
+  forward, its data loader or its loss has not begun it.
 
 Whoever built the DDP (``Job.wrap``, ``launcher.train``, a script's own) and with any
 communication hook: nothing in Python per bucket, a few microseconds per step
 (benchmarks/README.md, "Flight recorder"). Every rank records one entry per synced backward,
-so the same step has the same number on every rank.
+so the same step has the same number on every rank. A backward that does not reach a due DDP's
+outputs (a loss that never used them) is recorded for it all the same, on every rank alike.
 """
 
 from __future__ import annotations
 
 import functools
 import sys
+import weakref
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils._pytree import tree_leaves
 
 from launcher.faults import flight_recorder
 
 NOTE = "DDP gradients"
-_original_forward = None
+_originals: dict[str, object] = {}
+#: the DDPs whose forward synced and whose backward is still to come: id -> weak reference
+_due: dict[int, weakref.ref] = {}
 
 
 class _Gradients:
@@ -47,63 +52,55 @@ class _Gradients:
 
 def install() -> None:
     """Record the gradient all-reduces of every DDP's backward from now on (idempotent)."""
-    global _original_forward
-    if _original_forward is not None:
+    if _originals:
         return
-    original = _original_forward = DistributedDataParallel.forward
+    forward = _originals["forward"] = DistributedDataParallel.forward
+    backward = _originals["backward"] = torch.autograd.backward
 
-    @functools.wraps(original)
-    def forward(self, *inputs, **kwargs):
-        output = original(self, *inputs, **kwargs)
+    @functools.wraps(forward)
+    def due_forward(self, *inputs, **kwargs):
         if torch.is_grad_enabled() and self.require_backward_grad_sync:
-            _watch(self, output)
-        return output
+            _due[id(self)] = weakref.ref(self)
+        return forward(self, *inputs, **kwargs)
 
-    DistributedDataParallel.forward = forward
+    @functools.wraps(backward)
+    def recorded_backward(*args, **kwargs):
+        if not _due:
+            return backward(*args, **kwargs)
+        raws = _begin(sys._getframe(1))
+        try:
+            result = backward(*args, **kwargs)
+        except BaseException:
+            for raw in raws:
+                flight_recorder.finish(raw, failed=True)
+            raise
+        for raw in raws:
+            flight_recorder.finish(raw, failed=False)
+        return result
+
+    DistributedDataParallel.forward = due_forward
+    torch.autograd.backward = recorded_backward
 
 
 def uninstall() -> None:
-    """DDP's own forward again."""
-    global _original_forward
-    if _original_forward is not None:
-        DistributedDataParallel.forward = _original_forward
-        _original_forward = None
+    """DDP's and autograd's own functions again."""
+    if _originals:
+        DistributedDataParallel.forward = _originals.pop("forward")
+        torch.autograd.backward = _originals.pop("backward")
+    _due.clear()
 
 
-class _Backward:
-    """One forward's backward to come: its hooks on the outputs begin the entry once."""
-
-    __slots__ = ("group", "gradients", "begun")
-
-    def __init__(self, group, gradients: _Gradients):
-        self.group, self.gradients, self.begun = group, gradients, False
-
-    def hook(self, _grad_outputs) -> None:
-        # pre-hooks on the outputs' nodes and a flag: register_multi_grad_hook's lock, dict and
-        # handles cost ~30 µs a step, tensor hooks twice a node's (launcher.train's MLP)
-        if self.begun:
-            return
-        self.begun = True
-        # the frame that called this hook is torch's (the engine's caller), where the walk to
-        # the user's line starts; None in a thread of the engine's own (CUDA)
-        raw = flight_recorder.begin(self.group, "all_reduce", self.gradients, NOTE,
-                                    sys._getframe(0).f_back)
-        engine = torch.autograd.Variable._execution_engine
-        # queued now, this runs before the reducer's callback (queued when its last bucket is
-        # ready); the one it queues runs after it
-        engine.queue_callback(lambda: engine.queue_callback(
-            lambda: flight_recorder.finish(raw, failed=False)))
-
-
-def _watch(ddp: DistributedDataParallel, output) -> None:
-    leaves = (output,) if isinstance(output, torch.Tensor) else tree_leaves(output)
-    nodes = {leaf.grad_fn for leaf in leaves
-             if isinstance(leaf, torch.Tensor) and leaf.grad_fn is not None}
-    if not nodes:
-        return
-    gradients = ddp.__dict__.get("_ddp_recorded")
-    if gradients is None:
-        gradients = ddp.__dict__["_ddp_recorded"] = _Gradients(ddp.module)
-    backward = _Backward(ddp.process_group, gradients)
-    for node in nodes:
-        node.register_prehook(backward.hook)
+def _begin(frame) -> list[list]:
+    """One entry begun for each due DDP, at the first frame outside torch from ``frame``."""
+    raws = []
+    for ref in list(_due.values()):
+        ddp = ref()
+        if ddp is None:
+            continue
+        gradients = ddp.__dict__.get("_ddp_recorded")
+        if gradients is None:
+            gradients = ddp.__dict__["_ddp_recorded"] = _Gradients(ddp.module)
+        raws.append(flight_recorder.begin(ddp.process_group, "all_reduce", gradients, NOTE,
+                                          frame))
+    _due.clear()
+    return raws

@@ -52,12 +52,7 @@ def recorded(run_dir: Path, rank: int) -> Iterator[None]:
             _write(run_dir, stopped.status, f"{what}, {stopped.checkpoint} saved")
         raise
     except PeerLost as lost:
-        # ``nodes``: which nodes the survivors found silent (empty when nobody could tell)
-        nodes = getattr(lost, "nodes", ())
-        if nodes:
-            with suppress(OSError):
-                write_atomic(run_dir / LOST_NODES_FILE, "".join(f"{n}\n" for n in nodes).encode())
-        _write(run_dir, EXIT_PEER_LOST, lost.message)
+        record_lost(run_dir, lost)
         raise
     except LaunchError as error:
         if not raised_everywhere(error) or rank == 0:
@@ -67,6 +62,16 @@ def recorded(run_dir: Path, rank: int) -> Iterator[None]:
         # a survivor that saw the failure before its watchdog ended it raises this too
         _write(run_dir, failed.status, "a rank failed: the job's log names it")
         raise
+
+
+def record_lost(run_dir: Path, lost: PeerLost) -> None:
+    """A peer was lost: written by every survivor, with the nodes it found silent."""
+    # ``nodes``: which nodes the survivors found silent (empty when nobody could tell)
+    nodes = getattr(lost, "nodes", ())
+    if nodes:
+        with suppress(OSError):
+            write_atomic(run_dir / LOST_NODES_FILE, "".join(f"{n}\n" for n in nodes).encode())
+    _write(run_dir, EXIT_PEER_LOST, lost.message)
 
 
 def record_hang(run_dir: Path, line: str) -> None:

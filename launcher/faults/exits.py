@@ -9,14 +9,17 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 from launcher.core.errors import (
     EXIT_INTERRUPTED,
     LaunchError,
+    PeerLost,
     Preempted,
     RankFailed,
     report_and_exit,
 )
+from launcher.faults import exit_status
 from launcher.placement.env import JobEnv, detect_environment
 
 #: seconds a survivor of a lost peer waits between its line and MPI_Abort: Hydra ends the job at
@@ -46,6 +49,16 @@ def _peer_lost_end(env: JobEnv | None) -> Callable[[int], None]:
     if env is not None and env.launcher == "slurm":
         return os._exit
     return lambda status: end_process(status, linger_s=FORWARD_S)
+
+
+def lost_peer_ending(env: JobEnv, run_dir: Path | None) -> Callable[[PeerLost], None]:
+    """How a thread ends this rank for a lost peer that no call of the main thread raises
+    (``launcher.faults.gpu_waits``): as ``exit_statuses`` and ``exit_status.recorded`` would."""
+    def end(lost: PeerLost) -> None:
+        if run_dir is not None:
+            exit_status.record_lost(run_dir, lost)
+        report_and_exit(lost, env.rank, end=_peer_lost_end(env))
+    return end
 
 
 @contextmanager

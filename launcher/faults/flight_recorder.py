@@ -17,9 +17,9 @@ Why a wrapper and not torch's own Flight Recorder: torch 2.13 has one for gloo a
 backend written in Python such as the mpi4py one, its gloo entries stay "scheduled" with no
 start or end, and the frames it keeps end inside torch.
 
-The cost, measured by ``python -m benchmarks.flight_recorder`` (benchmarks/README.md): 0.6 µs
-for the wrapper, about 1 µs on a 4 KiB all_reduce, on this project's loaded 2-core VM; a DDP
-step a few microseconds.
+The cost, measured by ``python -m benchmarks.flight_recorder`` (benchmarks/README.md) on this
+project's 2-core VM: 0.4 µs for the wrapper, about 1 µs on a 4 KiB all_reduce, 12-19 µs on a
+DDP step; an nccl call ~12 µs more for its CUDA event (an H200 host).
 """
 
 from __future__ import annotations
@@ -31,11 +31,11 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
 
 import torch.distributed as dist
 
 from launcher.faults import call_site
+from launcher.faults.record_entry import DONE, END, START, STATE, Entry, gpu_done, on_gpu
 
 #: entries kept per process group
 CAPACITY = 64
@@ -54,56 +54,17 @@ _CALLS: dict[str, tuple[int | None, int | None]] = {
 }
 
 
-@dataclass
-class Entry:
-    """One call, as ``snapshot`` and ``current`` give it: where a rank waits while ``end_ns``
-    is None."""
-
-    #: the call's number in its group, from 1 (the same call has the same number on every rank
-    #: that made the same calls)
-    seq: int
-    op: str
-    group: str
-    #: the first tensor's size in bytes and dtype (None and empty when the call takes none)
-    nbytes: int | None
-    dtype: str
-    #: the caller outside torch and launcher, ``file:line``, and its function
-    where: str
-    function: str
-    start_ns: int
-    end_ns: int | None
-    #: "running", "done", "issued" (an async op returned its Work) or "failed"
-    state: str
-    #: what the call is for, when a caller other than the user's code says (``DDP gradients``)
-    note: str | None = None
-
-    def label(self) -> str:
-        return f"{self.op} #{self.seq}" + (f" ({self.note})" if self.note else "")
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def of(cls, raw: list, group: str) -> Entry:
-        """From a ring's raw record (its fields: ``SEQ`` to ``NOTE``), kept raw on the hot
-        path: no strings made per call."""
-        seq, op, nbytes, dtype, code, lasti, start, end, state, note = raw
-        return cls(seq, op, group, nbytes,
-                   "" if dtype is None else str(dtype).removeprefix("torch."),
-                   "?" if code is None else call_site.where(code, lasti),
-                   "?" if code is None else code.co_name, start, end,
-                   "running" if end is None else state, note)
-
-
 class Ring:
-    """One process group's last calls."""
+    """One process group's last calls; ``gpu``: the group's collectives run on the GPU past the
+    call (nccl), so each call keeps a way to ask whether its kernel has finished."""
 
-    __slots__ = ("name", "count", "entries")
+    __slots__ = ("name", "count", "entries", "gpu")
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, gpu: bool = False):
         self.name = name
         self.count = 0
         self.entries: deque[list] = deque(maxlen=CAPACITY)
+        self.gpu = gpu
 
 
 _rings: dict[str | None, Ring] = {}
@@ -127,12 +88,15 @@ def _ring(group) -> Ring:
     with _lock:
         ring = _rings.get(key)
         if ring is None:
-            ring = _rings[key] = Ring("world" if key is None else key)
+            ring = _rings[key] = Ring("world" if key is None else key, _on_nccl(group))
     return ring
 
 
-#: a raw record's fields, kept as a list on the hot path (no strings made per call)
-SEQ, OP, NBYTES, DTYPE, CODE, LASTI, START, END, STATE, NOTE = range(10)
+def _on_nccl(group) -> bool:
+    try:
+        return "nccl" in str(dist.get_backend(group))
+    except (RuntimeError, ValueError):  # no group yet
+        return False
 
 
 #: the wrapper's body: written out per function with the function's own parameters (no
@@ -151,7 +115,7 @@ def recorded({parameters}):
     ring.count += 1
     # nbytes, not shape: a torch.Size made and kept costs ~0.4 µs a call
     raw = [ring.count, name, {tensor}.nbytes, {tensor}.dtype, code, lasti, clock(), None,
-           "done", None]
+           "done", None, None]
     ring.entries.append(raw)
     try:
         result = original({arguments})
@@ -161,6 +125,8 @@ def recorded({parameters}):
     raw[7] = clock()
     if result is not None:
         raw[8] = "issued"
+    if ring.gpu:
+        raw[10] = gpu_done(result)
     return result
 """
 
@@ -176,6 +142,7 @@ def _wrap(name: str, original, tensor_at: int | None, group_at: int | None):
     namespace = {"rings_get": _rings.get, "ring_of": _ring, "frame_of": sys._getframe,
                  "kinds_get": call_site.kinds.get, "caller": call_site.caller,
                  "clock": time.monotonic_ns, "name": name, "original": original,
+                 "gpu_done": gpu_done,
                  "none": _NoTensor}
     declared, passed = [], []
     for index, parameter in enumerate(parameters):
@@ -221,26 +188,24 @@ class _NoTensor:
 def begin(group, name: str, tensor, note: str, frame) -> list:
     """Record a call that a caller other than the wrapped functions makes (DDP's gradient
     all-reduces, ``launcher.faults.ddp_steps``), placed at the first frame outside torch and
-    launcher from ``frame`` (torch's frame that called a hook: ``loss.backward()``'s line,
-    launcher.train's included), else where the main thread is (CUDA runs backward in a thread
-    of torch's own, with no frame of the user's); ``finish`` ends it. What ``_wrap``'s wrapper
-    does inline."""
+    launcher from ``frame`` (``loss.backward()``'s line, launcher.train's included); ``finish``
+    ends it. What ``_wrap``'s wrapper does inline."""
     code, lasti = call_site.caller(frame)
-    if code is None:
-        main = sys._current_frames().get(threading.main_thread().ident)
-        code, lasti = call_site.caller(main)
     ring = _ring(group)
     ring.count += 1
     raw = [ring.count, name, tensor.nbytes, tensor.dtype, code, lasti, time.monotonic_ns(),
-           None, "done", note]
+           None, "done", note, True if ring.gpu else None]
     ring.entries.append(raw)
     return raw
 
 
 def finish(raw: list, failed: bool) -> None:
-    raw[END] = time.monotonic_ns()
+    # the end last: a call with an end and a DONE is asked (``on_gpu``, from another thread)
     if failed:
-        raw[STATE] = "failed"
+        raw[STATE], raw[DONE] = "failed", None
+    elif raw[DONE]:  # begun on a GPU ring
+        raw[DONE] = gpu_done(None)
+    raw[END] = time.monotonic_ns()
 
 
 def original(name: str):
@@ -293,7 +258,11 @@ def snapshot() -> list[dict]:
 
 
 def current() -> Entry | None:
-    """The call this rank waits in (the newest one not ended), else its last call."""
+    """The call this rank waits in: the oldest one still on the GPU (the GPU runs them in
+    order), else the newest one not ended; else its last call."""
+    gpu = waiting_on_gpu()
+    if gpu is not None:
+        return gpu[0]
     newest = None
     for ring in list(_rings.values()):
         if not ring.entries:
@@ -304,3 +273,19 @@ def current() -> Entry | None:
         if newest is None or raw[START] > newest[0][START]:
             newest = (raw, ring.name)
     return None if newest is None else Entry.of(*newest)
+
+
+def waiting_on_gpu() -> tuple[Entry, float] | None:
+    """The oldest call whose kernel has not finished, and the seconds since it returned."""
+    oldest = None
+    for ring in list(_rings.values()):
+        if not ring.gpu:
+            continue
+        for raw in list(ring.entries):
+            if on_gpu(raw):
+                if oldest is None or raw[END] < oldest[0][END]:
+                    oldest = (raw, ring.name)
+                break  # this ring's oldest: where its rank waits first
+    if oldest is None:
+        return None
+    return Entry.of(*oldest), (time.monotonic_ns() - oldest[0][END]) / 1e9

@@ -45,6 +45,7 @@ from launcher.faults.hang_diagnosis import (
     Where,
     diagnose,
 )
+from launcher.faults.record_entry import Entry
 from launcher.faults.side_channel import ChannelGone, SideChannel
 
 #: how long rank 0 waits for the ranks' answers; one that has not answered by then cannot
@@ -167,12 +168,12 @@ class HangWatch:
         _sent(self._channel.post, "hang.where", json.dumps({"round": asked["round"],
                                                             "where": where.to_dict()}).encode())
 
-    def _waits_in(self, entry: flight_recorder.Entry | None) -> bool:
+    def _waits_in(self, entry: Entry | None) -> bool:
         """Whether this rank waits in ``entry``: a call under way, or the issued one whose
         wait passed the timeout (a newer call means that wait ended)."""
         if entry is None:
             return False
-        return entry.state in ("running", "failed") or (
+        return entry.under_way or (
             entry.state == "issued" and (entry.group, entry.seq) == self._overdue)
 
     def _take_verdict(self, message) -> None:
@@ -293,7 +294,7 @@ class HangWatch:
 def in_call() -> str:
     """`` in all_reduce #4 at train.py:8`` while this rank is in a recorded call, else ""."""
     entry = flight_recorder.current()
-    if entry is None or entry.state not in ("running", "failed"):
+    if entry is None or not entry.under_way:
         return ""
     return f" in {entry.label()} at {entry.where}"
 

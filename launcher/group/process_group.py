@@ -30,7 +30,15 @@ import torch.distributed as dist
 
 from launcher.core.defaults import TIMEOUT_S
 from launcher.core.errors import PeerLost, RankFailed, raised_everywhere
-from launcher.faults import ddp_steps, exits, failfast, flight_recorder, hang_watch, heartbeat
+from launcher.faults import (
+    ddp_steps,
+    exits,
+    failfast,
+    flight_recorder,
+    gpu_waits,
+    hang_watch,
+    heartbeat,
+)
 from launcher.faults.peer_lost import diagnose, is_communication_failure
 from launcher.group.backends import MPI4PY, BackendFacts, BackendPlan, plan
 from launcher.group.gpu_sharing import nccl_unless_gpus_are_shared
@@ -111,6 +119,8 @@ def process_group(
                              beat.silent if beat is not None else list, exits.end_process,
                              heartbeat.FOUND_SILENT_S)
     heartbeat.watch_waits(beat, watch)
+    gpu = (gpu_waits.GpuWaits(timeout_s, env.rank, exits.lost_peer_ending(env, run_dir))
+           if name == "nccl" and beat is not None else None)
     healthy = True
     failure: BaseException | None = None
     try:
@@ -131,6 +141,8 @@ def process_group(
         # a lost or failed peer may hold up an orderly tear-down: the caller ends the process
         # instead (launcher.core.errors.report_and_exit, launcher.faults.exits.end_process);
         # its watchers are told it left, so that no survivor names it as a lost node
+        if gpu is not None:
+            gpu.stop()
         if not healthy and beat is not None:
             beat.leave(failed=True)
         if healthy:
@@ -197,6 +209,10 @@ def _init(env: JobEnv, name: str, store: dist.Store | None, timeout: timedelta) 
     if store is None:
         # the mpi4py backend rendezvouses through MPI; the store only satisfies torch's API
         store = dist.HashStore()
+    if name == "nccl":
+        # NCCL's watchdog ends the process at its timeout naming nobody: the waits are watched
+        # at the timeout by launcher.faults.gpu_waits, NCCL's is the backstop after them
+        timeout = timeout * (heartbeat.BUSY_LIMIT + 1)
     try:
         dist.init_process_group(
             name, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout

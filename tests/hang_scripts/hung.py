@@ -20,7 +20,7 @@ import launcher
 
 how, backend, run_dir = sys.argv[1:4]
 with launcher.distributed(backend=backend, timeout_s=5, status_dir=run_dir) as job:
-    tensor = torch.ones(4)
+    tensor = torch.ones(4, device=job.device)
     for step in range(1, 5):
         if job.rank == 0 and step == 3:
             print(f"waiting since {time.monotonic()}", flush=True)
