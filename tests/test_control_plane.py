@@ -21,7 +21,7 @@ import time
 import pytest
 
 from launcher.core.errors import EXIT_PEER_LOST
-from launcher.group.rendezvous import free_port
+from launcher.placement.ports import free_port
 from tests.fixtures.mpi import REPO_ROOT, clean_environ, mpiexec_path
 from tests.test_stuck_rank import _pid_of_rank, _train, _wait_until_training
 

@@ -6,7 +6,6 @@ Scenarios live in tests/mpi_backend_worker.py; each rank prints one JSON object.
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
@@ -18,17 +17,12 @@ from launcher.mpi import buffers as mpi_buffers
 from launcher.mpi import cxx as mpi_cxx
 from launcher.mpi import library as mpi_library
 from launcher.mpi import waiting as mpi_waiting
+from launcher.placement.ports import free_port
 from tests.fixtures.docker import COLD_BUILD_TIMEOUT
 from tests.fixtures.gpu import needs_gpu
 from tests.fixtures.mpi import json_objects, run_mpi
 
 WORKER = "tests/mpi_backend_worker.py"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_worker(ranks: int, *args: str, timeout: float = 240, env: dict | None = None):

@@ -21,8 +21,8 @@ import pytest
 from launcher.core.errors import EXIT_PEER_LOST, PeerLost
 from launcher.faults import heartbeat
 from launcher.faults.watch import Watch
-from launcher.group.rendezvous import free_port
 from launcher.placement.env import detect_environment
+from launcher.placement.ports import free_port
 from tests.fixtures.mpi import REPO_ROOT, clean_environ
 
 WORLD = 3

@@ -1,6 +1,9 @@
-"""The Slurm step's rendezvous port: outside the ephemeral range, distinct per job and step."""
+"""Rendezvous ports outside the ephemeral range: a Slurm step's, distinct per job and step, and a
+free one drawn at random."""
 
 from __future__ import annotations
+
+import socket
 
 import pytest
 
@@ -28,3 +31,22 @@ def test_slurm_port_reads_this_nodes_ephemeral_range(tmp_path, monkeypatch):
     assert ephemeral_range(tmp_path / "missing") == LINUX_EPHEMERAL_RANGE
     monkeypatch.setattr(ports.ephemeral_range, "__defaults__", (sysctl,))
     assert SLURM_PORTS[0] <= slurm_port("99", "0") < 20000
+
+
+def test_a_free_port_is_drawn_outside_the_ephemeral_range_and_is_free():
+    ephemeral = (12000, 65000)  # leaves 10000-11999 and 65001-65535
+    drawn = {ports.free_port(ephemeral) for _ in range(200)}
+    assert all(10000 <= p < 12000 or 65000 < p <= 65535 for p in drawn)
+    assert len(drawn) > 100  # drawn at random, not one port for everyone
+
+
+
+def test_a_taken_port_is_passed_over(monkeypatch):
+    with socket.socket() as held:
+        held.bind(("", 0))
+        held.listen()
+        taken = held.getsockname()[1]
+        # the taken port drawn first, then the lowest ports in turn
+        draws = iter([taken - SLURM_PORTS[0], *range(49)])
+        monkeypatch.setattr(ports.random, "randrange", lambda span: next(draws))
+        assert SLURM_PORTS[0] <= ports.free_port((65535, 65535)) < SLURM_PORTS[0] + 49

@@ -19,7 +19,7 @@ from collections import Counter
 import pytest
 
 from launcher.diagnostics.preflight import MAX_ROUNDS, NodeRow, link_rounds, slow_nodes
-from launcher.group.rendezvous import free_port
+from launcher.placement.ports import free_port
 from tests.fixtures.cpu_groups import join, outweighing_group
 from tests.fixtures.mpi import REPO_ROOT, clean_environ
 

@@ -11,8 +11,8 @@ import torch.distributed as dist
 
 from launcher.core.errors import EXIT_USER_ERROR
 from launcher.group.gpu_sharing import shared_gpu
-from launcher.group.rendezvous import free_port
 from launcher.placement.env import JobEnv
+from launcher.placement.ports import free_port
 from tests.fixtures.mpi import run_mpi
 
 

@@ -12,9 +12,10 @@ import pytest
 import torch.distributed as dist
 
 from launcher.core.errors import LaunchError
-from launcher.group import rendezvous
+from launcher.group import rendezvous, store_client
 from launcher.group.rendezvous import reachable_address, resolve_rendezvous
 from launcher.placement.env import detect_environment
+from launcher.placement.ports import ephemeral_range
 from tests.fixtures.mpi import REPO_ROOT, clean_environ, json_objects, run_mpi
 
 # Every rank resolves, then proves the result works: rank 0 listens on (addr, port) and every
@@ -70,6 +71,34 @@ def test_explicit_master_is_kept_under_mpi():
                      env={"MASTER_ADDR": "10.1.2.3", "MASTER_PORT": "29400"})
     assert result.returncode == 0, result.output
     assert json_objects(result.stdout) == [{"addr": "10.1.2.3", "port": 29400}] * 2
+
+
+STORE_FIRST = """
+import json
+from datetime import timedelta
+from launcher.placement.env import detect_environment
+from launcher.group.rendezvous import start_store
+
+env, store = start_store(detect_environment(), "gloo", timedelta(seconds=60))
+store.set(f"from/{env.rank}", str(env.rank))
+seen = [store.get(f"from/{other}").decode() for other in range(env.world_size)]
+print(json.dumps({"rank": env.rank, "port": env.master_port, "seen": seen,
+                  "bound": getattr(store, "port", None)}), flush=True)
+"""
+
+
+@pytest.mark.mpi
+def test_rank0_binds_the_store_before_it_tells_the_port():
+    """No MASTER_PORT under mpiexec: rank 0's store takes a port the kernel picks as it binds,
+    and that port is what every rank is told (no window in which another program takes it)."""
+    result = run_mpi(3, ["-c", STORE_FIRST], timeout=90)
+    assert result.returncode == 0, result.output
+    records = {r["rank"]: r for r in json_objects(result.stdout)}
+    assert sorted(records) == [0, 1, 2], result.output
+    assert {r["port"] for r in records.values()} == {records[0]["bound"]}
+    low, high = ephemeral_range()  # the kernel's pick, not one picked first (free_port)
+    assert low <= records[0]["port"] <= high
+    assert all(r["seen"] == ["0", "1", "2"] for r in records.values())
 
 
 def test_single_process_gets_loopback_and_a_free_port():
@@ -146,11 +175,11 @@ def test_only_a_late_store_is_tried_again(monkeypatch, answers, joined):
                               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}, hostname="h")
     store = dist.HashStore()
     outcomes = [RuntimeError(a) if a else None for a in answers] + [store]
-    monkeypatch.setattr(rendezvous.socket, "create_connection", lambda *a, **k: socket.socket())
-    monkeypatch.setattr(rendezvous, "_attempt", lambda env: outcomes.pop(0))
+    monkeypatch.setattr(store_client.socket, "create_connection", lambda *a, **k: socket.socket())
+    monkeypatch.setattr(store_client, "_attempt", lambda env: outcomes.pop(0))
     if joined:
-        assert rendezvous._connect(env, timedelta(seconds=60)) is store
+        assert store_client.connect(env, timedelta(seconds=60)) is store
     else:
         with pytest.raises(LaunchError, match="answers, but not as rank 0's rendezvous store"):
-            rendezvous._connect(env, timedelta(seconds=60))
+            store_client.connect(env, timedelta(seconds=60))
         assert outcomes == [store]  # named at the first answer, no second try

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from launcher.core.errors import EXIT_PEER_LOST
-from launcher.group.rendezvous import free_port
+from launcher.placement.ports import free_port
 from tests.fixtures.mpi import REPO_ROOT, clean_environ, mpiexec_path
 
 WORLD = 3

@@ -1,4 +1,5 @@
-"""The rendezvous port of a Slurm step, which every rank derives alone from the job and step ids.
+"""Rendezvous ports outside the node's ephemeral range: a Slurm step's, which every rank derives
+alone from the job and step ids, and a free one for a job that picks its own.
 
 A leaf beside ``launcher.group.rendezvous``: ``launcher.placement.detectors`` reads the ids, this
 module turns them into a port, and the rendezvous binds it.
@@ -7,6 +8,8 @@ module turns them into a port, and the rendezvous binds it.
 from __future__ import annotations
 
 import math
+import random
+import socket
 from pathlib import Path
 
 #: the ports a derived rendezvous port is drawn from, less the node's ephemeral range
@@ -36,14 +39,42 @@ def slurm_port(job_id: str, step_id: str | None,
     with Linux's default range). Non-numeric ids (array tasks such as ``123_4``) use their
     digits. Every node of a job must have the same ephemeral range (sysctl), as clusters do.
     """
-    low, high = ephemeral or ephemeral_range()
-    first, last = SLURM_PORTS
-    windows = [(first, min(last, low - 1)), (max(first, high + 1), last)]
-    windows = [(a, b) for a, b in windows if a <= b] or [SLURM_PORTS]
+    windows = _windows(ephemeral)
     span = sum(b - a + 1 for a, b in windows)
     job = int("".join(c for c in job_id if c.isdigit()) or 0)
     step = int(step_id) if step_id is not None and step_id.strip().isdigit() else 0
-    index = (job + _step_stride(span) * step) % span
+    return _nth(windows, (job + _step_stride(span) * step) % span)
+
+
+def free_port(ephemeral: tuple[int, int] | None = None, tries: int = 50) -> int:
+    """A TCP port nothing holds right now, drawn at random from the ports ``slurm_port`` draws
+    from. Not the kernel's pick (bind to port 0): that comes from the ephemeral range, where
+    other programs' own picks and outgoing connections take theirs, so a port picked there and
+    bound a moment later was sometimes taken in between (jobs started side by side in CI)."""
+    windows = _windows(ephemeral)
+    span = sum(b - a + 1 for a, b in windows)
+    for _ in range(tries):
+        port = _nth(windows, random.randrange(span))
+        with socket.socket() as sock:
+            try:
+                sock.bind(("", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as sock:  # all tried were taken: the kernel's pick after all
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+
+def _windows(ephemeral: tuple[int, int] | None) -> list[tuple[int, int]]:
+    """SLURM_PORTS without the ephemeral range (read from /proc unless given)."""
+    low, high = ephemeral or ephemeral_range()
+    first, last = SLURM_PORTS
+    windows = [(first, min(last, low - 1)), (max(first, high + 1), last)]
+    return [(a, b) for a, b in windows if a <= b] or [SLURM_PORTS]
+
+
+def _nth(windows: list[tuple[int, int]], index: int) -> int:
     for a, b in windows:
         if index <= b - a:
             return a + index
