@@ -23,6 +23,9 @@ where each node has its own NIC, full duplex, and its own cores, it equals the l
 ranks share cores (containers on one VM) it is what the machine can carry for any contender,
 gloo included, and "vs exch" = busbw / exchange says how close each comes to that.
 
+Ping-pong (4 bytes between ranks 0 and 1) is timed as OSU's osu_latency does: round trips back
+to back after a barrier, their mean per round, rounds taken in turns.
+
 A second table times the all_reduce as training meets it: the ranks compute between calls
 (float32 matrix products on one torch thread each, about a CNN step's worth: 20 units on
 rank 0 and 4 more on each further rank, so that they arrive at different times, as when one
@@ -54,11 +57,13 @@ import torch
 import torch.distributed as dist
 from mpi4py import MPI
 
+from benchmarks import rank_side
 from benchmarks.floor import floor
 from benchmarks.timing import COMM, measure
 from benchmarks.units import bus_factor, human
 from launcher.mpi import backend as mpi_backend
 from launcher.mpi import cxx as mpi_cxx
+from launcher.mpi import segments as mpi_segments
 from launcher.training.models import cnn  # noqa: E402
 
 SIZES = [4 << 10 << (2 * i) for i in range(8)]  # 4 KiB, 16 KiB, ..., 64 MiB
@@ -68,6 +73,9 @@ BUSY_BYTES = 4 * sum(p.numel() for p in cnn().parameters())
 BUSY_UNIT = 256
 #: the contenders: the backends init_groups made (mpi_cxx only where it is built), then raw
 CONTENDERS: tuple[str, ...] = ()
+#: ping-pong: round trips timed together per round, and rounds at least
+PINGPONG_TRIPS = 2000
+PINGPONG_ROUNDS = 10
 
 
 def parse_args() -> argparse.Namespace:
@@ -83,17 +91,19 @@ def parse_args() -> argparse.Namespace:
 
 
 def init_groups() -> dict[str, dist.ProcessGroup]:
-    """gloo as the default group (its port chosen on rank 0, sent over MPI), the mpi backends
-    beside it: the compiled one where it is built, and the Python one."""
-    port = None
-    if COMM.rank == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ["MASTER_PORT"] = str(COMM.bcast(port, root=0))
+    """gloo as the default group (rank 0's store on a port the kernel picks as it binds, sent
+    over MPI), the mpi backends beside it: the compiled one where it is built, and the Python
+    one. Nothing is left in /dev/shm however the job ends (``launcher.mpi.segments``)."""
+    mpi_segments.unlink_mapped(COMM)
     timeout = datetime.timedelta(minutes=5)
-    dist.init_process_group("gloo", rank=COMM.rank, world_size=COMM.size, timeout=timeout)
+    host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    store = dist.TCPStore(host, 0, COMM.size, is_master=True, timeout=timeout,
+                          wait_for_workers=False) if COMM.rank == 0 else None
+    port = COMM.bcast(store.port if store is not None else None, root=0)
+    if store is None:
+        store = dist.TCPStore(host, port, COMM.size, is_master=False, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=COMM.rank, world_size=COMM.size,
+                            timeout=timeout)
     groups = {}
     if mpi_cxx.choose().name == mpi_cxx.BACKEND_NAME:
         groups[mpi_cxx.BACKEND_NAME] = dist.new_group(backend=mpi_cxx.BACKEND_NAME,
@@ -214,7 +224,38 @@ def pingpong_ops(groups) -> dict:
             COMM.Recv(raw, source=0)
             COMM.Send(raw, dest=0)
 
-    return {**{name: over(g) for name, g in groups.items()}, "raw": raw_run}
+    def direct(group):  # torch's Python dist.send/recv skipped: what the backend itself costs
+        tensor = torch.zeros(1)
+
+        def run():
+            if me == 0:
+                group.send([tensor], 1, 0).wait()
+                group.recv([tensor], 1, 0).wait()
+            elif me == 1:
+                group.recv([tensor], 0, 0).wait()
+                group.send([tensor], 0, 0).wait()
+        return run
+
+    extra = ({"mpi_cxx_pg": direct(groups[mpi_cxx.BACKEND_NAME])}
+             if mpi_cxx.BACKEND_NAME in groups else {})
+    return {**{name: over(g) for name, g in groups.items()}, **extra, "raw": raw_run}
+
+
+def pingpong(ops: dict, rounds: int, trips: int = PINGPONG_TRIPS) -> dict[str, dict[str, float]]:
+    """Seconds per round trip of each op, as OSU's osu_latency times them: ``trips`` back to
+    back after a barrier, their mean per round; median and best over rounds taken in turns."""
+    times: dict[str, list[float]] = {name: [] for name in ops}
+    for _ in range(rounds):
+        for name, op in ops.items():
+            for _ in range(PINGPONG_TRIPS // 10):  # warm-up
+                op()
+            COMM.Barrier()
+            start = time.perf_counter()
+            for _ in range(trips):
+                op()
+            times[name].append(COMM.bcast((time.perf_counter() - start) / trips, root=0))
+    return {name: {"median": float(np.median(t)), "best": float(np.min(t))}
+            for name, t in times.items()}
 
 
 def print_table(rows: list[dict], latency: dict, busy: dict, limits: dict) -> None:
@@ -247,9 +288,16 @@ def print_table(rows: list[dict], latency: dict, busy: dict, limits: dict) -> No
           "cxx vs raw, cxx vs py: the same for mpi_cxx against raw and against mpi4py")
     if rows and "front_end_median_us" in rows[0]:
         print_front_end(rows)
-    print("\nping-pong, 4 bytes, half round trip, median (best) us: "
-          + ", ".join(f"{n} {latency[n]['median'] / 2 * 1e6:.1f} "
-                      f"({latency[n]['best'] / 2 * 1e6:.1f})" for n in CONTENDERS))
+    print(f"\nping-pong, 4 bytes, half round trip ({PINGPONG_TRIPS} back to back per round), "
+          "median (best) us: "
+          + ", ".join(f"{n} {latency[n]['median'] / 2 * 1e6:.2f} "
+                      f"({latency[n]['best'] / 2 * 1e6:.2f})" for n in latency)
+          + " (mpi_cxx_pg: its ProcessGroup's send/recv called directly, without torch's "
+          "Python dist.send/recv)")
+    if "mpi_cxx" in latency:
+        print("mpi_cxx / raw: " + " ".join(
+            f"{latency['mpi_cxx'][k] / latency['raw'][k]:.2f} ({k})" for k in ("median", "best"))
+              + "; goal <= 2")
     print(f"\nall_reduce of {human(BUSY_BYTES)} between rounds of compute, from the last rank's "
           "arrival, us: mean, median, p90, best")
     for n in CONTENDERS:
@@ -284,12 +332,13 @@ def _plot_if_possible(path: Path) -> None:
 def main() -> None:
     global CONTENDERS
     args = parse_args()
+    rank_side.end_job_on_error()
     groups = init_groups()
     CONTENDERS = (*groups, "raw")
     solo = solo_group(groups)
     limits = floor(args)
     rows = allreduce_table(groups, args, limits, solo)
-    latency = measure(pingpong_ops(groups), args)
+    latency = pingpong(pingpong_ops(groups), max(args.rounds, PINGPONG_ROUNDS))
     busy = busy_allreduce(groups, args)
     hosts = COMM.gather(socket.gethostname())
     if COMM.rank == 0:
@@ -307,7 +356,7 @@ def main() -> None:
                 "allreduce": rows,
                 "pingpong_half_round_trip_us": {
                     n: {k: latency[n][k] / 2 * 1e6 for k in ("median", "best")}
-                    for n in CONTENDERS},
+                    for n in latency},
                 "busy_allreduce_bytes": BUSY_BYTES,
                 "busy_allreduce_after_last_arrival_us": {
                     n: {k: v * 1e6 for k, v in busy[n].items()} for n in CONTENDERS},

@@ -28,6 +28,22 @@ def local_mpiexec(ranks: int) -> list[str]:
     return [str(Path(sys.executable).parent / "mpiexec"), "-n", str(ranks)]
 
 
+def end_job_on_error() -> None:
+    """Make an exception that ends this rank end the whole job (MPI_Abort), as ``python -m
+    mpi4py`` does: otherwise the rank waits in MPI_Finalize for ranks that wait for it, and
+    the job hangs until its timeout."""
+    from mpi4py import MPI
+
+    printed = sys.excepthook
+
+    def abort(kind, value, trace) -> None:
+        printed(kind, value, trace)
+        sys.stderr.flush()
+        MPI.COMM_WORLD.Abort(1)
+
+    sys.excepthook = abort
+
+
 def report(result: dict) -> None:
     """Print RESULT as a job's result line (rank 0 only)."""
     print(RESULT + json.dumps(result), flush=True)

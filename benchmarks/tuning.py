@@ -17,6 +17,7 @@ rank each (``invoke cluster.up``, torn down at the end).
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import statistics
@@ -28,7 +29,11 @@ from benchmarks import ROOT, rank_side
 from benchmarks.units import bus_factor, human
 
 ALGORITHM = "MPIR_CVAR_IALLREDUCE_INTRA_ALGORITHM"
+#: a job's default bound (``--job-timeout``). Its ranks dump every thread's stack and exit
+#: STACKS_BEFORE seconds earlier, so that a job that hangs says where, in the error, instead of
+#: being killed without a word
 RUN_TIMEOUT = 600
+STACKS_BEFORE = 20
 
 #: (label, MPICH's algorithm for the non-blocking all_reduce): the first is the reference
 VARIANTS = [("MPICH's own choice", "auto"), ("ring (tsp_ring)", "tsp_ring")]
@@ -42,6 +47,8 @@ def variant_job(args) -> None:
     from benchmarks import allreduce
     from benchmarks.timing import COMM, measure
 
+    rank_side.end_job_on_error()
+    faulthandler.dump_traceback_later(max(1, args.job_timeout - STACKS_BEFORE), exit=True)
     ours = allreduce.init_groups()["mpi4py"]
     bus = bus_factor(COMM.size)
     row = {}
@@ -53,29 +60,38 @@ def variant_job(args) -> None:
     if COMM.rank == 0:
         rank_side.report(row)
     dist.destroy_process_group()
+    faulthandler.cancel_dump_traceback_later()
 
 
-def job_argv(launch: list[str], script: list[str], algorithm: str, seconds: float) -> list[str]:
+def job_argv(launch: list[str], script: list[str], algorithm: str, seconds: float,
+             job_timeout: float = RUN_TIMEOUT) -> list[str]:
     """LAUNCH (an mpiexec command line) running SCRIPT (python -m this module) as one
     variant."""
     return [*launch, "-genv", ALGORITHM, algorithm, *script, "--rank-side", "--seconds",
-            str(seconds)]
+            str(seconds), "--job-timeout", str(job_timeout)]
 
 
-def run_job(argv: list[str]) -> dict[int, float]:
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=RUN_TIMEOUT, cwd=ROOT)
+def run_job(argv: list[str], job_timeout: float = RUN_TIMEOUT) -> dict[int, float]:
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=job_timeout,
+                              cwd=ROOT)
+    except subprocess.TimeoutExpired as late:  # hung before the ranks armed their stacks
+        raise SystemExit(f"no end after {job_timeout:.0f} s: {' '.join(argv)}\n"
+                         f"{late.stdout or ''}{late.stderr or ''}") from None
     if done.returncode != 0:
-        raise SystemExit(f"failed ({done.returncode}): {' '.join(argv)}\n{done.stderr}")
+        raise SystemExit(f"failed ({done.returncode}): {' '.join(argv)}\n"
+                         f"{done.stdout}{done.stderr}")
     return rank_side.result_of(done.stdout)
 
 
 def compare(launch: list[str], script: list[str], variants: list, rounds: int,
-            seconds: float) -> dict:
+            seconds: float, job_timeout: float = RUN_TIMEOUT) -> dict:
     """Every variant once per round; per variant and size the median bus GB/s of the rounds."""
     found: dict[str, list[dict[int, float]]] = {label: [] for label, _ in variants}
     for _ in range(rounds):
         for label, algorithm in variants:
-            found[label].append(run_job(job_argv(launch, script, algorithm, seconds)))
+            argv = job_argv(launch, script, algorithm, seconds, job_timeout)
+            found[label].append(run_job(argv, job_timeout))
     sizes = sorted(found[variants[0][0]][0])
     busbw = {label: {size: statistics.median(r[size] for r in runs) for size in sizes}
              for label, runs in found.items()}
@@ -103,6 +119,8 @@ def main() -> int:
                         help="time budget per size in each job")
     parser.add_argument("--image", default="ddp:cpu", help="project image (--nodes > 1)")
     parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--job-timeout", type=float, default=RUN_TIMEOUT,
+                        help="seconds a job may take; a hung one prints its ranks' stacks")
     parser.add_argument("--rank-side", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--max-calls", type=int, default=2000, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -114,7 +132,7 @@ def main() -> int:
         where = "2 ranks on one node"
         launch = rank_side.local_mpiexec(2)
         result = compare(launch, [sys.executable, "-m", "benchmarks.tuning"], VARIANTS,
-                         args.rounds, args.seconds)
+                         args.rounds, args.seconds, args.job_timeout)
     else:
         where = f"{args.nodes} nodes, one rank each"
         result = across_nodes(args, VARIANTS)
@@ -147,7 +165,7 @@ def across_nodes(args, variants: list) -> dict:
     try:
         cl.up_mpi(args.nodes, project, prefix, args.image)
         launch, script = on_cluster(f"{prefix}node0", cs.hosts(args.nodes))
-        return compare(launch, script, variants, args.rounds, args.seconds)
+        return compare(launch, script, variants, args.rounds, args.seconds, args.job_timeout)
     finally:
         left = cl.remove(project, cl.mpi_compose_file(args.nodes, project))
         if left:

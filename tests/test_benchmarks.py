@@ -42,7 +42,8 @@ def test_allreduce_benchmark_writes_every_table(tmp_path):
     busy = report["busy_allreduce_after_last_arrival_us"]
     cxx = {"mpi_cxx"} if mpi_cxx.built_path().exists() else set()
     assert set(busy) == {"mpi4py", "gloo", "raw"} | cxx
-    assert set(report["pingpong_half_round_trip_us"]) == set(busy)
+    # the ping-pong also times the compiled backend's ProcessGroup without torch's dist.send
+    assert set(report["pingpong_half_round_trip_us"]) == set(busy) | {f"{n}_pg" for n in cxx}
     for row in report["allreduce"]:
         assert ("mpi_cxx_vs_mpi4py_median" in row) == bool(cxx)
         assert ("front_end_goal_met_best" in row) == bool(cxx)
@@ -189,13 +190,30 @@ def test_tuning_benchmark_compares_each_variant_with_the_first(tmp_path):
     out = tmp_path / "tuning.json"
     result = subprocess.run(
         [sys.executable, "-m", "benchmarks.tuning", "--rounds", "1", "--seconds", "0.02",
-         "--json", str(out)],
+         "--job-timeout", "200", "--json", str(out)],
         cwd=REPO_ROOT, env=clean_environ(), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads(out.read_text())
     first, ring = report["busGBps"]  # MPICH's own choice, then its ring
     assert len(report["busGBps"][ring]) == 8 and min(report["busGBps"][ring].values()) > 0
     assert set(report["vs_first"][first].values()) == {1.0}
+
+
+def test_a_tuning_job_that_does_not_end_is_named_not_waited_for():
+    with pytest.raises(SystemExit, match="no end after 0 s: sleep 30"):
+        tuning.run_job(["sleep", "30"], job_timeout=0.3)
+
+
+@pytest.mark.mpi
+def test_a_rank_side_error_ends_the_whole_job():
+    """Rank 0 fails while rank 1 waits for it: MPI_Abort ends both, not MPI_Finalize's wait."""
+    code = ("from mpi4py import MPI; from benchmarks import rank_side; "
+            "from launcher.mpi import segments; segments.unlink_mapped(MPI.COMM_WORLD); "
+            "rank_side.end_job_on_error(); "
+            "MPI.COMM_WORLD.rank == 0 and 1 / 0; MPI.COMM_WORLD.Barrier()")
+    result = run_mpi(2, ["-c", code], timeout=60, cwd=REPO_ROOT)
+    assert result.returncode != 0 and "ZeroDivisionError" in result.output
+    assert "MPI_Abort" in result.output
 
 
 @pytest.mark.cluster
