@@ -161,7 +161,7 @@ def test_a_flavor_lock_locked_apart_from_lock_mpi_stops_the_build(dockerd, base_
     describe its image, so the build stops at the flavor's first step, naming both files."""
     context = tmp_path / "context"
     (context / "docker").mkdir(parents=True)
-    for name in ("Dockerfile", "lock-mpi.txt"):
+    for name in ("Dockerfile", "lock-mpi.txt", "lock-sections.sh"):
         shutil.copy(ic.ROOT / "docker" / name, context / "docker" / name)
     lock = lock_file.lock_path("cpu").read_text()
     mpich = next(line for line in lock.splitlines() if line.startswith("mpich=="))
