@@ -21,6 +21,8 @@ from launcher.placement.env import JobEnv
 _BEAT, _MESSAGE, _LEFT = 11, 12, 13
 #: how long a rank that leaves waits for its watchers to take its last word
 LEAVE_S = 1.0
+#: how long a rank that closes its channel waits for the others to close theirs
+DRAIN_S = 5.0
 
 
 class MpiSideChannel(SideChannel):
@@ -75,17 +77,45 @@ class MpiSideChannel(SideChannel):
             self._sends.append(self._comm.isend(pickle.dumps(item), dest=dest, tag=_MESSAGE))
 
     def _pump(self) -> None:
-        status = self._mpi.Status()
         while not self._closed.wait(MPI_POLL_S):
-            while self._comm.Iprobe(source=self._mpi.ANY_SOURCE, tag=self._mpi.ANY_TAG,
-                                    status=status):
-                source, tag = status.Get_source(), status.Get_tag()
-                data = self._comm.recv(source=source, tag=tag)
-                if tag in (_BEAT, _LEFT):
-                    self._heard(source, left=tag == _LEFT)
-                elif tag == _MESSAGE:
-                    self._receive(pickle.loads(data))
+            self._take(self._handle)
+
+    def _take(self, handle) -> None:
+        """Receive every message that has arrived, each handed to ``handle``."""
+        status = self._mpi.Status()
+        while self._comm.Iprobe(source=self._mpi.ANY_SOURCE, tag=self._mpi.ANY_TAG,
+                                status=status):
+            source, tag = status.Get_source(), status.Get_tag()
+            handle(source, tag, self._comm.recv(source=source, tag=tag))
+
+    def _handle(self, source: int, tag: int, data: bytes) -> None:
+        if tag in (_BEAT, _LEFT):
+            self._heard(source, left=tag == _LEFT)
+        elif tag == _MESSAGE:
+            self._receive(pickle.loads(data))
 
     def close(self) -> None:
+        """Stop the pump, then read what the peers sent that nobody took: MPI_Finalize reports
+        each unread message (UCX: "unexpected tag-receive descriptor ... was not matched", a
+        line per message on every rank of a multi-node job). Past a barrier no peer beats any
+        more (each left first); within DRAIN_S, since a peer may be gone or late."""
         self._closed.set()
         self._thread.join(timeout=5)
+        if self._thread.is_alive():
+            return  # a second reader could take the message the pump probed, and its recv hang
+        try:
+            with self._gone_on_error():
+                everyone = self._comm.Ibarrier()
+                deadline = time.monotonic() + DRAIN_S
+                while not (met := everyone.Test()) and time.monotonic() < deadline:
+                    self._take(_ignore)
+                    time.sleep(0.01)
+                if not met:
+                    everyone.Free()  # it completes without this rank's help
+                self._take(_ignore)
+        except ChannelGone:
+            pass
+
+
+def _ignore(_source: int, _tag: int, _data: bytes) -> None:
+    pass
