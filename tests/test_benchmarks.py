@@ -47,10 +47,12 @@ def test_allreduce_benchmark_writes_every_table(tmp_path):
     for row in report["allreduce"]:
         assert ("mpi_cxx_vs_mpi4py_median" in row) == bool(cxx)
         assert ("front_end_goal_met_best" in row) == bool(cxx)
-        if cxx:  # the group of one: no peer, so never slower than the 2-rank call
-            assert 0 < row["front_end_best_us"] <= row["mpi_cxx_best_us"]
+        if cxx:  # timing orders are the benchmark's to report: only what derives from them
+            assert row["front_end_best_us"] > 0
             assert row["mpi_cxx_minus_raw_best_us"] == pytest.approx(
                 row["mpi_cxx_best_us"] - row["raw_best_us"])
+            assert row["front_end_goal_met_best"] == (
+                row["mpi_cxx_minus_raw_best_us"] <= row["front_end_best_us"] + 1.0)
     for stats in busy.values():
         assert 0 < stats["best"] <= stats["median"] <= stats["p90"]
     assert "between rounds of compute" in result.stdout
