@@ -87,11 +87,13 @@ make_venv() {
 }
 
 # --backend mpi compiled (launcher/mpi/cxx.py): built once per source and torch version; without
-# a compiler, or if it fails, the Python implementation runs instead (launcher.check says which)
+# a compiler, or if it fails, the Python implementation runs instead (launcher.check says which).
+# The same step builds the padding of MPICH's UCX address for Slurm's pmi2 (ucx_address.py)
 build_mpi_backend() {
     if ! command -v "${CXX:-c++}" >/dev/null; then
-        echo "bootstrap: no C++ compiler: --backend mpi will run its Python implementation" \
-            "(apt-get install g++, then re-run)"
+        echo "bootstrap: no C++ compiler: --backend mpi will run its Python implementation," \
+            "and MPICH's UCX address goes unpadded under srun --mpi=pmi2 (apt-get install g++," \
+            "then re-run)"
         return
     fi
     (cd / && "$VENV/bin/python" -m launcher.mpi.cxx) ||

@@ -69,6 +69,8 @@ def _submit(cluster, tmp_path: Path, launch: Launch, batch: Batch) -> int:
     # tests running beside this one, Slurm's pmi2 server misread that long binary value ("mpi/
     # pmi2: invalid client request") and MPI_Init failed (CI of 2026-11-26; reproduced with 12
     # extra veth interfaces). Real nodes get the planned interface (placement/network.py).
+    # The same error came back in the CI of 2026-11-28 from the heap MPICH sends after the
+    # address, now zeros (launcher/mpi/ucx_address.cpp).
     env["UCX_NET_DEVICES"] = _default_route_interface()
     # Three nodes share two cores: a step's rank would start a thread per core, and the
     # preflight's healthy nodes, oversubscribed beside other tests (OpenMP threads wait for

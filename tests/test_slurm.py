@@ -86,16 +86,18 @@ def test_mpi4py_world_forms_under_srun_pmi2(slurm_cluster):
     assert lines == [["0", "2", "3", "MPICH"], ["1", "2", "3", "MPICH"]], out
 
 
-def test_mpi_starts_on_a_fresh_stack_under_srun_pmi2(slurm_cluster):
-    """The bundled MPICH's PMI lines stay under Slurm's pmi2 limit when MPI_Init runs on a new
-    thread (launcher.mpi.fresh_stack): here it did, so the main thread is not MPI's."""
-    code = ("from launcher.mpi import library; from launcher.placement.env import "
+def test_mpi_starts_with_its_ucx_address_padded_under_srun_pmi2(slurm_cluster):
+    """The bundled MPICH's PMI lines stay under Slurm's pmi2 limit: its UCX address is padded
+    with zeros (launcher.mpi.ucx_address, built by the bootstrap) and MPI_Init runs on a new
+    thread (launcher.mpi.fresh_stack), so the main thread is not MPI's."""
+    code = ("from launcher.mpi import library, ucx_address; from launcher.placement.env import "
             "detect_environment; w = library.start(detect_environment()); from mpi4py import MPI; "
-            "print('main', w.Get_rank(), MPI.Is_thread_main(), w.allreduce(1), flush=True)")
+            "print('main', w.Get_rank(), MPI.Is_thread_main(), w.allreduce(1), "
+            "ucx_address.padded(), flush=True)")
     out = _ok(slurm_cluster.srun(["-n", "2", "--mpi=pmi2", PY, "-c", code], timeout=120,
                                  cwd=REPO_ROOT))
     assert sorted(line for line in out.splitlines() if line.startswith("main ")) == [
-        "main 0 False 2", "main 1 False 2"], out
+        "main 0 False 2 1", "main 1 False 2 1"], out
 
 
 @pytest.mark.parametrize("backend", ["gloo", "mpi", "gloo,mpi", "mpi,gloo"])

@@ -36,6 +36,11 @@ from types import ModuleType
 
 import torch
 
+if __package__:
+    from launcher.mpi import ucx_address
+else:  # run as a file of its own (the image's build stage): the file beside it
+    import ucx_address
+
 BACKEND_NAME = "mpi_cxx"
 SOURCE = Path(__file__).with_name("cxx.cpp")
 #: what ``DDP_MPI_IMPL`` may say
@@ -53,7 +58,7 @@ def _launch_error(message: str, hint: str) -> Exception:
 
 def build_dir(given: str | None = None) -> Path:
     """Where the compiled module is: ``given`` (``DDP_MPI_CXX_DIR``) or beside the venv."""
-    return Path(given or Path(sys.prefix) / "lib" / "ddp-ext")
+    return ucx_address.ext_dir(given)
 
 
 def module_name() -> str:
@@ -241,7 +246,8 @@ def _build_tools() -> tuple[str | None, str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m launcher.mpi.cxx",
-                                     description="build the compiled mpi backend (cached)")
+                                     description="build the compiled mpi backend and the UCX "
+                                     "address padding (launcher.mpi.ucx_address; cached)")
     parser.add_argument("--mpi-prefix", type=Path, default=Path(sys.prefix),
                         help="where MPICH's include/mpi.h and lib/libmpi.so.12 are")
     parser.add_argument("--verbose", action="store_true", help="show the compiler's commands")
@@ -250,6 +256,10 @@ def main(argv: list[str] | None = None) -> int:
     if shutil.which(compiler) is None:
         raise SystemExit(f"launcher.mpi.cxx: error: no C++ compiler ({compiler})\n"
                          "HINT: apt-get install g++")
+    # first: a plain C++ file, which needs no torch headers
+    fresh = not ucx_address.path(directory).exists()
+    path = ucx_address.build(directory, compiler)
+    print(f"ucx_address: {'built' if fresh else 'up to date'}: {path}")
     fresh = not built_path(directory).exists()
     path = build(args.mpi_prefix, directory, quiet=not args.verbose)
     print(f"mpi_cxx: {'built' if fresh else 'up to date'}: {path}")

