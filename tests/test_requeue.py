@@ -21,8 +21,6 @@ import pytest
 
 from ddp_tasks.batch_script import Batch, batch_script
 from ddp_tasks.launch_spec import Launch
-from ddp_tasks.local_slurm import TERMINAL_STATES
-from tests.fixtures.cpu_groups import join, outweighing_group
 from tests.fixtures.etc_hosts import loopback_names
 from tests.fixtures.left_behind import mapped_by_anyone
 from tests.fixtures.mpi import REPO_ROOT, json_objects
@@ -189,77 +187,6 @@ def test_the_job_continues_on_the_nodes_left(slurm_cluster3, tmp_path, shm_uncha
     assert left == sorted({"n0", "n1", "n2"} - {victim}), (nodes_2, output)
     assert "training mlp on digits: 3 rank(s)" in output
     assert "training mlp on digits: 2 rank(s)" in output
-
-
-@pytest.mark.slurm
-def test_preflight_leaves_a_slow_node_out(slurm_cluster3, tmp_path, shm_unchanged):
-    """n2 at a tenth of a CPU (its slurmd's group, tests.fixtures.cpu_groups): the preflight
-    of the first attempt names it, and the script requeues the job without it. The requeued
-    attempt is not waited for: on a loaded 2-core machine the preflight may also name a
-    healthy node (a link measured while others ran), and with two nodes excluded the 2-node
-    job would stay pending."""
-    launch = _train_on_two_nodes(tmp_path, "gloo")
-    batch = _batch(tmp_path, "preflight", max_nodes=3, preflight=True)
-    with outweighing_group(f"ddp-test-slow-{os.getpid()}") as nodes:
-        for node in ("n0", "n1", "n2"):
-            join(nodes / node, slurm_cluster3.slurmd_pid(node),
-                 cpus=0.1 if node == "n2" else None)
-        try:
-            job_id = _submit(slurm_cluster3, tmp_path, launch, batch)
-            excluded = _wait_for_excluded_nodes(slurm_cluster3, job_id, tmp_path)
-        finally:
-            # before the groups go, so that their members have ended; and a failed test leaves
-            # no job behind (in a cold run of 2026-11-28 the requeued attempt ran on)
-            slurm_cluster3.cancel_all()
-    output = next(tmp_path.glob("job-*.out")).read_text()
-    ((nodes, ending),) = attempts(tmp_path / "run")
-    assert nodes == "n[0-2]", output
-    named = ending.removeprefix("preflight named slow nodes: restart 1 of 3 without ")
-    assert "n2" in named.split(","), output
-    hostnames = slurm_cluster3.scontrol(["show", "hostnames", excluded]).split()
-    assert sorted(hostnames) == sorted(named.split(",")), (excluded, named)
-    assert not (tmp_path / "run" / "metrics.jsonl").exists(), "trained on a slow node"
-    # the side channel's last beats are read before MPI_Finalize (side_mpi.close), else UCX
-    # reports each one unread on its way out (8 lines here before)
-    assert "unexpected tag-receive" not in output, output
-
-
-def _wait_for_excluded_nodes(cluster, job_id: int, tmp_path: Path) -> str:
-    """The nodes the batch script excluded when it requeued the job after its preflight."""
-    _wait_until_it_runs(cluster, job_id, tmp_path)
-    # ~20 s alone; generous for a loaded run, since every failure ends the wait at once
-    deadline = time.monotonic() + 300
-    # the script logs, requeues, then sets the excluded nodes; a preflight that named nobody
-    # goes on to train, and one that failed ends the job
-    while (fields := cluster.job_fields(job_id))["ExcNodeList"] == "(null)":
-        assert (time.monotonic() < deadline and fields["JobState"] not in TERMINAL_STATES
-                and not (tmp_path / "run" / "metrics.jsonl").exists()), (
-            _job_story(cluster, job_id, tmp_path))
-        time.sleep(0.5)
-    return fields["ExcNodeList"]
-
-
-def _wait_until_it_runs(cluster, job_id: int, tmp_path: Path, timeout: float = 120) -> None:
-    """A job held back (by a node the last test's job still held when the scheduler looked)
-    is not the preflight's time. The CI of 2026-11-28 ran out of the 180 s it had from the
-    submission with the preflight's ranks still starting MPI; when the job started was not
-    recorded, and is now."""
-    deadline = time.monotonic() + timeout
-    # pending again once it has run: requeued
-    while (fields := cluster.job_fields(job_id))["JobState"] == "PENDING" and (
-            fields["Restarts"] == "0"):
-        assert time.monotonic() < deadline, _job_story(cluster, job_id, tmp_path)
-        time.sleep(0.5)
-
-
-def _job_story(cluster, job_id: int, tmp_path: Path) -> str:
-    """What a test that stops waiting shows: the job's state and its output so far."""
-    fields = cluster.job_fields(job_id)
-    state = " ".join(f"{key}={fields.get(key)}" for key in (
-        "JobState", "Reason", "NodeList", "SubmitTime", "StartTime", "RunTime", "Restarts",
-        "ExcNodeList"))
-    outputs = [path.read_text(errors="replace")[-4000:] for path in tmp_path.glob("job-*.out")]
-    return f"job {job_id}: {state}\n" + "\n".join(outputs)
 
 
 def _kill_node_1(job_id: int) -> str:
