@@ -95,11 +95,29 @@ def test_no_compiler_is_one_error_line(tmp_path):
     assert not list(tmp_path.iterdir())
 
 
+def test_a_build_that_fails_leaves_the_other_built(tmp_path):
+    """No MPICH where --mpi-prefix points: the backend's build fails in one error line and its
+    HINT, and the padding, which needs no MPICH, is built all the same."""
+    environ = clean_environ({"DDP_MPI_CXX_DIR": str(tmp_path)})
+    result = subprocess.run([sys.executable, "-m", "launcher.mpi.cxx", "--mpi-prefix",
+                             str(tmp_path / "nothing")], capture_output=True, text=True,
+                            timeout=120, env=environ, cwd=REPO_ROOT)
+    assert result.returncode == 1
+    assert result.stdout.splitlines() == [
+        f"ucx_address: built: {ucx_address.path(str(tmp_path))}"]
+    assert result.stderr.splitlines() == [
+        f"launcher.mpi.cxx: error: mpi_cxx did not build: no MPICH to build the mpi backend "
+        f"against in {tmp_path / 'nothing'} (needs include/mpi.h and lib/libmpi.so.12)",
+        "HINT: pip install mpich (the project's [mpich] extra), or pass --mpi-prefix"]
+    assert sorted(path.name for path in tmp_path.iterdir()) == [
+        ucx_address.path(str(tmp_path)).name]
+
+
 @needs_build
 def test_the_file_alone_builds_as_the_images_build_stage_does(tmp_path):
-    """docker/Dockerfile copies cxx.py, ucx_address.py and their C++ alone and runs the file:
-    no project to read variables with, so the defaults, whatever is set."""
-    for name in ("cxx.py", "cxx.cpp", "ucx_address.py", "ucx_address.cpp"):
+    """docker/Dockerfile copies cxx.py, ucx_address.py, ext_files.py and the C++ alone and runs
+    the file: no project to read variables with, so the defaults, whatever is set."""
+    for name in ("cxx.py", "cxx.cpp", "ucx_address.py", "ucx_address.cpp", "ext_files.py"):
         (tmp_path / name).write_bytes((REPO_ROOT / "launcher" / "mpi" / name).read_bytes())
     environ = clean_environ({"DDP_MPI_CXX_DIR": str(tmp_path / "elsewhere")})
     result = subprocess.run([sys.executable, str(tmp_path / "cxx.py")], capture_output=True,

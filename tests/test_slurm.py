@@ -86,18 +86,22 @@ def test_mpi4py_world_forms_under_srun_pmi2(slurm_cluster):
     assert lines == [["0", "2", "3", "MPICH"], ["1", "2", "3", "MPICH"]], out
 
 
-def test_mpi_starts_with_its_ucx_address_padded_under_srun_pmi2(slurm_cluster):
+@pytest.mark.parametrize("padded", [True, False], ids=["padded", "not-built"])
+def test_mpi_starts_under_srun_pmi2_with_or_without_the_ucx_padding(slurm_cluster, tmp_path,
+                                                                   padded):
     """The bundled MPICH's PMI lines stay under Slurm's pmi2 limit: its UCX address is padded
-    with zeros (launcher.mpi.ucx_address, built by the bootstrap) and MPI_Init runs on a new
-    thread (launcher.mpi.fresh_stack), so the main thread is not MPI's."""
+    with zeros (launcher.mpi.ucx_address, built by the bootstrap); where that is not built,
+    MPI_Init runs on a thread of its own (launcher.mpi.own_arena), not the main one."""
     code = ("from launcher.mpi import library, ucx_address; from launcher.placement.env import "
             "detect_environment; w = library.start(detect_environment()); from mpi4py import MPI; "
             "print('main', w.Get_rank(), MPI.Is_thread_main(), w.allreduce(1), "
             "ucx_address.padded(), flush=True)")
+    env = {} if padded else {"DDP_MPI_CXX_DIR": str(tmp_path)}  # nothing built there
     out = _ok(slurm_cluster.srun(["-n", "2", "--mpi=pmi2", PY, "-c", code], timeout=120,
-                                 cwd=REPO_ROOT))
+                                 cwd=REPO_ROOT, env=env))
+    expected = "True 2 1" if padded else "False 2 None"
     assert sorted(line for line in out.splitlines() if line.startswith("main ")) == [
-        "main 0 False 2 1", "main 1 False 2 1"], out
+        f"main 0 {expected}", f"main 1 {expected}"], out
 
 
 @pytest.mark.parametrize("backend", ["gloo", "mpi", "gloo,mpi", "mpi,gloo"])

@@ -29,7 +29,6 @@ import os
 import re
 import shutil
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -37,8 +36,9 @@ from types import ModuleType
 import torch
 
 if __package__:
-    from launcher.mpi import ucx_address
-else:  # run as a file of its own (the image's build stage): the file beside it
+    from launcher.mpi import ext_files, ucx_address
+else:  # run as a file of its own (the image's build stage): the files beside it
+    import ext_files
     import ucx_address
 
 BACKEND_NAME = "mpi_cxx"
@@ -56,11 +56,6 @@ def _launch_error(message: str, hint: str) -> Exception:
     return LaunchError(message, hint)
 
 
-def build_dir(given: str | None = None) -> Path:
-    """Where the compiled module is: ``given`` (``DDP_MPI_CXX_DIR``) or beside the venv."""
-    return ucx_address.ext_dir(given)
-
-
 def module_name() -> str:
     """The module's name: a hash of what makes a build usable (source, torch)."""
     digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()
@@ -68,12 +63,12 @@ def module_name() -> str:
 
 
 def built_path(directory: str | None = None) -> Path:
-    return build_dir(directory) / f"{module_name()}.so"
+    return ext_files.directory(directory) / f"{module_name()}.so"
 
 
 def build(mpi_prefix: Path, directory: str | None = None, quiet: bool = True) -> Path:
-    """Compile the extension against ``mpi_prefix``'s MPICH into ``directory`` (``build_dir``)
-    unless it is built already."""
+    """Compile the extension against ``mpi_prefix``'s MPICH into ``directory``
+    (``ext_files.directory``) unless it is built already."""
     target = built_path(directory)
     if target.exists():
         return target
@@ -86,13 +81,12 @@ def build(mpi_prefix: Path, directory: str | None = None, quiet: bool = True) ->
     from torch.utils.cpp_extension import BuildExtension, CppExtension
 
     name = module_name()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+    with ext_files.staging(target) as tmp:
         extension = CppExtension(
             name, [str(SOURCE)], include_dirs=[str(include)], library_dirs=[str(lib)],
             libraries=[":" + SONAME], extra_link_args=[f"-Wl,-rpath,{lib}"],
             extra_compile_args=["-O2", "-g0"])
-        args = ["build_ext", "--build-lib", tmp, "--build-temp", tmp]
+        args = ["build_ext", "--build-lib", str(tmp), "--build-temp", str(tmp)]
         dist = Distribution({"name": name, "ext_modules": [extension], "script_args": args,
                              # no ninja needed: the image's build stage has none
                              "cmdclass": {"build_ext": BuildExtension.with_options(
@@ -100,15 +94,11 @@ def build(mpi_prefix: Path, directory: str | None = None, quiet: bool = True) ->
         dist.verbose = 0 if quiet else 1
         dist.parse_command_line()
         dist.run_commands()
-        (built,) = Path(tmp).glob(f"{name}*.so")
+        (built,) = tmp.glob(f"{name}*.so")
         manifest = {"torch": torch.__version__, "libmpi": str((lib / SONAME).resolve())}
-        Path(tmp, "manifest.json").write_text(json.dumps(manifest))
-        os.replace(Path(tmp, "manifest.json"), target.with_suffix(".json"))
-        os.replace(built, target)  # atomic: a rank never loads half a file
-    for stale in target.parent.glob("ddp_mpi_cxx_*.so"):
-        if stale != target:
-            stale.unlink(missing_ok=True)
-            stale.with_suffix(".json").unlink(missing_ok=True)
+        (tmp / "manifest.json").write_text(json.dumps(manifest))
+        os.replace(tmp / "manifest.json", target.with_suffix(".json"))
+        ext_files.install(built, target, "ddp_mpi_cxx_", companions=(".json",))
     return target
 
 
@@ -120,7 +110,7 @@ def loaded_libmpi() -> str | None:
 
 
 def _why_not_built(directory: str | None) -> str:
-    others = sorted(build_dir(directory).glob("ddp_mpi_cxx_*.json"))
+    others = sorted(ext_files.directory(directory).glob("ddp_mpi_cxx_*.json"))
     for other in others:
         version = json.loads(other.read_text()).get("torch")
         if version != torch.__version__:
@@ -129,7 +119,7 @@ def _why_not_built(directory: str | None) -> str:
     if others:
         return "the compiled mpi backend was built from another source (rebuild: " \
                "python -m launcher.mpi.cxx)"
-    return f"the compiled mpi backend is not built in {build_dir(directory)} " \
+    return f"the compiled mpi backend is not built in {ext_files.directory(directory)} " \
            "(./scripts/bootstrap.sh " \
            "or python -m launcher.mpi.cxx builds it)"
 
@@ -256,14 +246,33 @@ def main(argv: list[str] | None = None) -> int:
     if shutil.which(compiler) is None:
         raise SystemExit(f"launcher.mpi.cxx: error: no C++ compiler ({compiler})\n"
                          "HINT: apt-get install g++")
-    # first: a plain C++ file, which needs no torch headers
-    fresh = not ucx_address.path(directory).exists()
-    path = ucx_address.build(directory, compiler)
-    print(f"ucx_address: {'built' if fresh else 'up to date'}: {path}")
-    fresh = not built_path(directory).exists()
-    path = build(args.mpi_prefix, directory, quiet=not args.verbose)
-    print(f"mpi_cxx: {'built' if fresh else 'up to date'}: {path}")
-    return 0
+    # each apart: the padding is plain C++, which needs no torch headers nor MPICH's
+    hints = [hint for hint in (
+        _build_one("ucx_address", ucx_address.path(directory),
+                   lambda: ucx_address.build(directory, compiler)),
+        _build_one("mpi_cxx", built_path(directory),
+                   lambda: build(args.mpi_prefix, directory, quiet=not args.verbose)),
+    ) if hint]
+    for hint in dict.fromkeys(hints):
+        print(f"HINT: {hint}", file=sys.stderr)
+    return 1 if hints else 0
+
+
+def _build_one(name: str, target: Path, step) -> str | None:
+    """``step()`` builds ``target``: one line that says what became of it; the HINT on
+    failure."""
+    fresh = not target.exists()
+    try:
+        step()
+    except Exception as error:  # noqa: BLE001 -- the compiler's own messages are above
+        why = getattr(error, "message", None) or str(error).splitlines()[0]
+        print(f"launcher.mpi.cxx: error: {name} did not build: {why}", file=sys.stderr)
+        return getattr(error, "hint", None) or (
+            "the compiler's messages are above (more with --verbose); without the file, "
+            "--backend mpi runs its Python implementation (mpi_cxx) and MPICH's UCX address "
+            "goes unpadded (ucx_address)")
+    print(f"{name}: {'built' if fresh else 'up to date'}: {target}", flush=True)
+    return None
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from launcher.core.errors import LaunchError
-from launcher.mpi import cma, fresh_stack, ucx_address
+from launcher.mpi import cma, own_arena, ucx_address
 from launcher.placement import settings
 from launcher.placement.env import JobEnv, detect_environment
 
@@ -215,8 +215,9 @@ def start(env: JobEnv):
     version that way), so importing it again would not start it.
     """
     choice = ensure_startable(env)
-    if choice.bundled_mpich and env.launcher == "slurm" and env.pmi == "pmi":
-        fresh_stack.run(_init)  # PMI lines short enough for Slurm's pmi2 server
+    if (choice.bundled_mpich and env.launcher == "slurm" and env.pmi == "pmi"
+            and ucx_address.padded() is None):
+        own_arena.run(_init)  # PMI lines shorter, not always short enough: see the module
     else:
         _init()
     from mpi4py import MPI

@@ -3,50 +3,49 @@ built beside the compiled mpi backend (``python -m launcher.mpi.cxx``, ``scripts
 the image's build stage), loaded by ``launcher.mpi.library.load`` before mpi4py loads libmpi.
 
 Without a compiler nothing is built and MPICH runs as it comes; MPI_Init under Slurm's pmi2
-server then depends on the heap (``launcher.mpi.fresh_stack`` makes a failure rarer). Torch
-is not imported here: ``load`` runs as the image's Python starts.
+server then depends on the heap (``launcher.mpi.own_arena`` makes a failure rarer). Torch is
+not imported here, nor what only a build needs: ``load`` runs as the image's Python starts.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
-import os
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
+if __package__:
+    from launcher.mpi import ext_files
+else:  # the image's build stage: the file beside it
+    import ext_files
+
 SOURCE = Path(__file__).with_name("ucx_address.cpp")
-_PREFIX = "ddp_ucx_address_"
+PREFIX = "ddp_ucx_address_"
 
 
-def ext_dir(given: str | None = None) -> Path:
-    """Where the project's compiled files are: ``given`` (``DDP_MPI_CXX_DIR``) or beside the
-    venv."""
-    return Path(given or Path(sys.prefix) / "lib" / "ddp-ext")
+@functools.cache
+def _digest() -> str:
+    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
 
 
 def path(directory: str | None = None) -> Path:
     """The built file, named by a hash of its source."""
-    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
-    return ext_dir(directory) / f"{_PREFIX}{digest}.so"
+    return ext_files.directory(directory) / f"{PREFIX}{_digest()}.so"
 
 
 def build(directory: str | None = None, compiler: str = "c++") -> Path:
-    """Compile the source into ``directory`` unless it is built already."""
+    """Compile the source into ``directory`` unless it is built already; the compiler's
+    failure as ``subprocess.CalledProcessError``, its messages on stderr."""
+    import subprocess
+
     target = path(directory)
     if target.exists():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        built = Path(tmp, target.name)
+    with ext_files.staging(target) as tmp:
+        built = tmp / target.name
         subprocess.run([compiler, "-O2", "-g0", "-shared", "-fPIC", "-o", str(built),
                         str(SOURCE), "-ldl"], check=True)
-        os.replace(built, target)  # atomic: a rank never loads half a file
-    for stale in target.parent.glob(f"{_PREFIX}*.so"):
-        if stale != target:
-            stale.unlink(missing_ok=True)
+        ext_files.install(built, target, PREFIX)
     return target
 
 
