@@ -97,8 +97,8 @@ build_mpi_backend() {
         return
     fi
     (cd / && "$VENV/bin/python" -m launcher.mpi.cxx) ||
-        echo "bootstrap: warning: the compiled mpi backend did not build; --backend mpi will" \
-            "run its Python implementation (details: $VENV/bin/python -m launcher.mpi.cxx --verbose)"
+        echo "bootstrap: warning: not everything compiled (its error above says what runs" \
+            "instead; details: $VENV/bin/python -m launcher.mpi.cxx --verbose)"
 }
 
 (($# <= 1)) || die "too many arguments: $*" "./scripts/bootstrap.sh [--system]"
