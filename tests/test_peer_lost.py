@@ -46,6 +46,7 @@ class _Beats:
 
     def __init__(self, alive: set[int]):
         self.alive = alive
+        self.at: dict[int, float] = {}
 
     def on(self, kind, handler) -> None:
         pass
@@ -53,8 +54,11 @@ class _Beats:
     def broadcast(self, kind, payload) -> None:
         pass
 
-    def exchange(self) -> set[int]:
-        return self.alive
+    def exchange(self) -> None:
+        self.at.update(dict.fromkeys(self.alive, time.monotonic()))
+
+    def heard_at(self) -> dict[int, float]:
+        return dict(self.at)
 
     def leave(self, failed: bool = False) -> None:
         pass
@@ -99,6 +103,32 @@ def test_a_survivor_names_every_rank_of_a_lost_node_not_the_first_found(monkeypa
         teller.join(timeout=5)
         beat.close()
     assert silent == [2, 3]
+
+
+def test_ranks_that_beat_are_not_silent_while_this_ranks_own_beats_wait(monkeypatch):
+    """The watched ranks' beats are stamped as they arrive, not when this rank's beating
+    thread next runs: that thread held up (its own beat waiting to go out) for longer than
+    SILENT_S does not make the ranks it hears look silent."""
+    monkeypatch.setattr(heartbeat, "SILENT_S", 0.3)
+    monkeypatch.setattr(heartbeat, "BEAT_S", 0.05)
+    env = dataclasses.replace(detect_environment({}, hostname="box"), rank=1, world_size=3)
+    beats, held, arriving = _Beats({0, 2}), threading.Event(), threading.Event()
+
+    def arrive() -> None:  # the transport's thread: beats from 0 and 2 keep coming
+        while not arriving.wait(0.05):
+            beats.at.update(dict.fromkeys(beats.alive, time.monotonic()))
+
+    beats.exchange = lambda: held.wait(10)
+    transport = threading.Thread(target=arrive, daemon=True)
+    transport.start()
+    beat = heartbeat.Heartbeat(env, beats)
+    try:
+        time.sleep(3 * heartbeat.SILENT_S)
+        assert beat.silent() == []
+    finally:
+        held.set()
+        arriving.set()
+        beat.close()
 
 
 def test_overdue_waits_on_peers_that_beat_and_names_silent_ones(monkeypatch):

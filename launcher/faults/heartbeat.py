@@ -59,8 +59,9 @@ class Heartbeat:
         self._env = env
         self._beats = beats
         self.nodes: list[str] = beats.nodes
-        now = time.monotonic()
-        self._heard = dict.fromkeys(beats.watch.watched, now)
+        #: the watched ranks count as heard when the heartbeat starts
+        self._started = time.monotonic()
+        self._watched = beats.watch.watched
         #: the ranks found silent by their watchers: this rank's own finds and those told
         self._told: set[int] = set()
         #: when the last of them was found or told
@@ -80,19 +81,19 @@ class Heartbeat:
 
     def _beat(self) -> None:
         while not self._stop.wait(BEAT_S):
-            try:
-                heard = self._beats.exchange()
-            except ChannelGone:
-                continue  # the library reports a peer gone: its silence names it
-            now = time.monotonic()
-            for rank in heard:
-                self._heard[rank] = now
-            self._tell_silent(now)
+            with contextlib.suppress(ChannelGone):  # a peer gone: its silence names it
+                self._beats.exchange()
+            self._tell_silent()
 
-    def _tell_silent(self, now: float) -> None:
+    def _quiet(self) -> list[int]:
+        """The watched ranks not heard for SILENT_S."""
+        heard, now = self._beats.heard_at(), time.monotonic()
+        return [rank for rank in self._watched
+                if now - max(heard.get(rank, self._started), self._started) > SILENT_S]
+
+    def _tell_silent(self) -> None:
         """Tell every rank of the watched ones that fell silent since the last beat."""
-        found = [rank for rank, heard in self._heard.items()
-                 if now - heard > SILENT_S and rank not in self._told]
+        found = [rank for rank in self._quiet() if rank not in self._told]
         if found:
             self._note_told(found)
             with contextlib.suppress(Exception):  # the survivors still see what they watch
@@ -100,8 +101,7 @@ class Heartbeat:
 
     def silent(self) -> list[int]:
         """The ranks not heard for SILENT_S, by this rank or by their other watchers."""
-        now = time.monotonic()
-        silent = {rank for rank, heard in self._heard.items() if now - heard > SILENT_S}
+        silent = set(self._quiet())
         silent.update(rank for rank in self._told if rank != self._env.rank)
         return sorted(silent)
 

@@ -25,7 +25,9 @@ cannot reach the others raises ``ChannelGone``.
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -129,9 +131,10 @@ class SideChannel:
         self.nodes = list(nodes)
         self._handlers: dict[str, Handler] = {}
         self.watch = watch.watch(self.nodes, env.rank)
-        self._heard_now: set[int] = set()
-        #: the watched ranks that left the job (``leave``): heard from, whatever comes
-        self._left: set[int] = set()
+        #: when each watched rank was last heard (time.monotonic), stamped on arrival by the
+        #: transport's thread: no other thread's delay (a beat that waits to go out) can make a
+        #: rank that beats look silent
+        self._heard_at: dict[int, float] = {}
         self._heard_lock = threading.Lock()
         self._seen: set[tuple[int, int]] = set()
         self._sequence = 0
@@ -156,17 +159,21 @@ class SideChannel:
         """Send ``item`` to ``dest``; ChannelGone when it cannot go."""
         raise NotImplementedError
 
-    def exchange(self) -> set[int]:
-        """Beat to the watchers; the watched ranks heard since the last call."""
+    def exchange(self) -> None:
+        """Beat to the watchers."""
         for peer in self.watch.watchers:
             self._beat(peer)
+
+    def heard_at(self) -> dict[int, float]:
+        """When each watched rank was last heard (time.monotonic); ``inf`` for one that left
+        the job (``leave``): heard from, whatever comes."""
         with self._heard_lock:
-            heard, self._heard_now = self._heard_now, set()
-            return heard | self._left
+            return dict(self._heard_at)
 
     def _heard(self, source: int, left: bool = False) -> None:
         with self._heard_lock:
-            (self._left if left else self._heard_now).add(source)
+            if self._heard_at.get(source) != math.inf:  # a late beat after it left
+                self._heard_at[source] = math.inf if left else time.monotonic()
 
     def send(self, dest: int, kind: str, payload: bytes = b"") -> None:
         self._send_item(dest, (self.rank, None, kind, payload))

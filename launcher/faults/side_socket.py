@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import json
 import queue
+import select
 import selectors
 import socket
 import threading
@@ -201,18 +202,34 @@ class SocketSideChannel(SideChannel):
 
     def _send(self, peer: int, data: bytes) -> None:
         with self._lock(peer):
-            sock = self._connection(peer)
-            try:
-                sock.sendall(data)
-            except OSError as exc:  # it ended (reset), or has not read for SEND_S
-                sock.close()
-                self._out.pop(peer, None)
-                self._gone.add(peer)
-                raise ChannelGone(f"rank {peer}: {exc}") from exc
+            self._send_locked(peer, data)
+
+    def _send_locked(self, peer: int, data: bytes) -> None:
+        sock = self._connection(peer)
+        try:
+            sock.sendall(data)
+        except OSError as exc:  # it ended (reset), or has not read for SEND_S
+            sock.close()
+            self._out.pop(peer, None)
+            self._gone.add(peer)
+            raise ChannelGone(f"rank {peer}: {exc}") from exc
 
     def _beat(self, peer: int) -> None:
-        with contextlib.suppress(ChannelGone):  # ended: this rank's other watcher hears it
-            self._send(peer, frame(self.rank, BEAT, b""))
+        """A beat that would wait is dropped, not queued: behind a message still going out to
+        ``peer``, or into a full buffer (it reads nothing: stopped). Waiting up to SEND_S
+        there would hold this rank's beats to its other watcher too, long enough for that
+        one to find this rank silent."""
+        lock = self._lock(peer)
+        if not lock.acquire(blocking=False):
+            return
+        try:
+            sock = self._out.get(peer)
+            if sock is not None and not _writable(sock):
+                return
+            with contextlib.suppress(ChannelGone):  # ended: this rank's other watcher hears it
+                self._send_locked(peer, frame(self.rank, BEAT, b""))
+        finally:
+            lock.release()
 
     def _send_item(self, dest: int, item: tuple) -> None:
         address = self.address if item[0] == self.rank else self._addresses.get(item[0], "")
@@ -294,6 +311,13 @@ class SocketSideChannel(SideChannel):
         for sock in [*self._out.values(), self._listener, self._wake, self._woken]:
             sock.close()
         self._out.clear()
+
+
+def _writable(sock: socket.socket) -> bool:
+    """Whether ``sock`` takes a few bytes now (poll: no FD_SETSIZE limit, unlike select)."""
+    poller = select.poll()
+    poller.register(sock, select.POLLOUT)
+    return bool(poller.poll(0))
 
 
 def _named_problems(problems: list[str]) -> str:
