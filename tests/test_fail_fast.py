@@ -200,6 +200,26 @@ def test_open_mpi_mpirun_aborts_the_world_naming_the_cause(tmp_path, data_dir, o
     _no_rank_left(env)
 
 
+@pytest.mark.mpi
+def test_an_aborted_job_leaves_no_topology_file_of_hydras():
+    """Hydra's proxy writes the node's topology to /tmp/hydra_hwloc_xmlfile_* and removes it
+    as it ends, but MPI_Abort kills it first: every failed job left one file per node, until
+    the ranks removed it before their abort (launcher.faults.exits.end_process)."""
+    code = ("import os; from mpi4py import MPI; from launcher.faults import exits; "
+            "fds = f'/proc/{os.getppid()}/fd'; "
+            "held = [os.readlink(f'{fds}/{fd}') for fd in os.listdir(fds)]; "
+            "print('held', *[path for path in held if path.startswith(exits.HYDRA_TOPOLOGY)], "
+            "flush=True); MPI.COMM_WORLD.Barrier(); exits.end_process(4)")
+    result = subprocess.run([str(mpiexec_path()), "-n", "2", sys.executable, "-c", code],
+                            capture_output=True, text=True, timeout=120, cwd=REPO_ROOT,
+                            env=clean_environ())
+    assert result.returncode == 4, result.stderr
+    held = {path for line in result.stdout.splitlines() if line.startswith("held ")
+            for path in line.split()[1:]}
+    assert len(held) == 1, result.stdout
+    assert not any(os.path.exists(path) for path in held)
+
+
 def test_a_taken_rendezvous_port_stops_every_rank_at_once(tmp_path):
     """Another program listens on the rendezvous port: rank 0 cannot bind it, rank 1 would
     talk to that program; both stop within seconds, each naming the cause. Seconds after

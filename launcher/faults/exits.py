@@ -8,7 +8,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 from launcher.core.errors import (
@@ -26,6 +26,8 @@ from launcher.placement.env import JobEnv, detect_environment
 #: the first abort, and forwards only what it has read by then (16 ranks, a script that prints
 #: and aborts: 5 of 15 survivors' lines arrived with no wait, all 15 after 0.5 s)
 FORWARD_S = 1.0
+#: where MPICH's Hydra proxy writes the node's topology for its ranks (a fixed path in its code)
+HYDRA_TOPOLOGY = "/tmp/hydra_hwloc_xmlfile_"
 
 
 def end_process(status: int, linger_s: float = 0.0) -> None:
@@ -37,8 +39,43 @@ def end_process(status: int, linger_s: float = 0.0) -> None:
     mpi = sys.modules.get("mpi4py.MPI")
     if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
         time.sleep(linger_s)
+        remove_hydra_topology()
         mpi.COMM_WORLD.Abort(status)
     os._exit(status)
+
+
+def remove_hydra_topology(ancestors: int = 3) -> list[str]:
+    """Remove the node's topology file that Hydra's proxy (this rank's parent, or an ancestor
+    under a container runtime) holds open: it writes ``/tmp/hydra_hwloc_xmlfile_*`` for its
+    ranks and removes it when it ends, but MPI_Abort kills it first, which left one file per
+    node of every failed job. Its ranks read it in MPI_Init, done by now. What was removed."""
+    removed, pid = [], os.getpid()
+    for _ in range(ancestors):
+        pid = _parent(pid)
+        if pid <= 1:
+            break
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:  # another user's process, or gone
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith(HYDRA_TOPOLOGY):
+                with suppress(OSError):
+                    os.unlink(target)
+                    removed.append(target)
+    return removed
+
+
+def _parent(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:  # "pid (comm) state ppid ...": comm may hold ")"
+            return int(stat.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def _peer_lost_end(env: JobEnv | None) -> Callable[[int], None]:
