@@ -40,7 +40,6 @@ def on_gpu(raw: list) -> bool:
     return True
 
 
-
 @dataclass
 class Entry:
     """One call, as ``snapshot`` and ``current`` give it: where a rank waits while ``end_ns``
