@@ -48,7 +48,9 @@ def remove_hydra_topology(ancestors: int = 3) -> list[str]:
     """Remove the node's topology file that Hydra's proxy (this rank's parent, or an ancestor
     under a container runtime) holds open: it writes ``/tmp/hydra_hwloc_xmlfile_*`` for its
     ranks and removes it when it ends, but MPI_Abort kills it first, which left one file per
-    node of every failed job. Its ranks read it in MPI_Init, done by now. What was removed."""
+    node of every failed job. Its ranks read it in MPI_Init, done by now. Not inside a user
+    namespace of the rank's own (ch-run, rootless Apptainer): the kernel refuses to show it
+    the proxy's open files. What was removed."""
     removed, pid = [], os.getpid()
     for _ in range(ancestors):
         pid = _parent(pid)
