@@ -34,11 +34,14 @@ def end_job_on_error() -> None:
     the job hangs until its timeout."""
     from mpi4py import MPI
 
+    from launcher.faults import exits
+
     printed = sys.excepthook
 
     def abort(kind, value, trace) -> None:
         printed(kind, value, trace)
         sys.stderr.flush()
+        exits.remove_hydra_topology()  # what Hydra's killed proxy would leave in /tmp
         MPI.COMM_WORLD.Abort(1)
 
     sys.excepthook = abort

@@ -7,6 +7,7 @@ every table the README shows is produced, with sane numbers, so the scripts cann
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -208,14 +209,20 @@ def test_a_tuning_job_that_does_not_end_is_named_not_waited_for():
 
 @pytest.mark.mpi
 def test_a_rank_side_error_ends_the_whole_job():
-    """Rank 0 fails while rank 1 waits for it: MPI_Abort ends both, not MPI_Finalize's wait."""
-    code = ("from mpi4py import MPI; from benchmarks import rank_side; "
+    """Rank 0 fails while rank 1 waits for it: MPI_Abort ends both, not MPI_Finalize's wait,
+    and Hydra's topology file goes with them (``test_fail_fast`` says why)."""
+    code = ("import os; from mpi4py import MPI; from benchmarks import rank_side; "
             "from launcher.mpi import segments; segments.unlink_mapped(MPI.COMM_WORLD); "
+            "fds = f'/proc/{os.getppid()}/fd'; "
+            "print('held', *[os.readlink(f'{fds}/{fd}') for fd in os.listdir(fds)], flush=True); "
             "rank_side.end_job_on_error(); "
             "MPI.COMM_WORLD.rank == 0 and 1 / 0; MPI.COMM_WORLD.Barrier()")
     result = run_mpi(2, ["-c", code], timeout=60, cwd=REPO_ROOT)
     assert result.returncode != 0 and "ZeroDivisionError" in result.output
     assert "MPI_Abort" in result.output
+    held = {path for line in result.output.splitlines() if line.startswith("held ")
+            for path in line.split()[1:] if "hydra_hwloc_xmlfile_" in path}
+    assert held and not any(os.path.exists(path) for path in held), held
 
 
 @pytest.mark.cluster

@@ -19,7 +19,7 @@ from mpi4py import MPI
 from torch._C._distributed_c10d import _create_work_from_future
 
 from launcher.core.errors import PeerLost
-from launcher.faults import heartbeat
+from launcher.faults import exits, heartbeat
 from launcher.mpi import buffers as mb
 
 
@@ -161,6 +161,10 @@ class RequestWork(dist._Work):
 
 def abort_at_exit() -> None:
     """A timed-out MPI op can't be cancelled and would hang MPI_Finalize: abort instead."""
-    abort = MPI.COMM_WORLD.Abort
-    atexit.unregister(abort)  # once, however many ops time out: atexit holds the one record
-    atexit.register(abort, 1)
+    atexit.unregister(_abort)  # once, however many ops time out: atexit holds the one record
+    atexit.register(_abort)
+
+
+def _abort() -> None:
+    exits.remove_hydra_topology()  # what Hydra's killed proxy would leave in /tmp
+    MPI.COMM_WORLD.Abort(1)
