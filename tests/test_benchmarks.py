@@ -16,6 +16,7 @@ import pytest
 from benchmarks import cluster as cluster_benchmark
 from benchmarks import imb, train_scaling, tuning
 from launcher.mpi import cxx as mpi_cxx
+from tests.fixtures.left_behind import hydra_held, hydra_held_code
 from tests.fixtures.mpi import REPO_ROOT, clean_environ, run_mpi
 
 pytestmark = pytest.mark.mpi
@@ -208,20 +209,18 @@ def test_a_tuning_job_that_does_not_end_is_named_not_waited_for():
 
 
 @pytest.mark.mpi
-def test_a_rank_side_error_ends_the_whole_job():
+def test_a_rank_side_error_ends_the_whole_job(tmp_path):
     """Rank 0 fails while rank 1 waits for it: MPI_Abort ends both, not MPI_Finalize's wait,
     and Hydra's topology file goes with them (``test_fail_fast`` says why)."""
-    code = ("import os; from mpi4py import MPI; from benchmarks import rank_side; "
+    code = ("from mpi4py import MPI; from benchmarks import rank_side; "
             "from launcher.mpi import segments; segments.unlink_mapped(MPI.COMM_WORLD); "
-            "fds = f'/proc/{os.getppid()}/fd'; "
-            "print('held', *[os.readlink(f'{fds}/{fd}') for fd in os.listdir(fds)], flush=True); "
-            "rank_side.end_job_on_error(); "
-            "MPI.COMM_WORLD.rank == 0 and 1 / 0; MPI.COMM_WORLD.Barrier()")
+            + hydra_held_code(tmp_path) + "rank_side.end_job_on_error(); "
+            "MPI.COMM_WORLD.Barrier(); MPI.COMM_WORLD.rank == 0 and 1 / 0; "
+            "MPI.COMM_WORLD.Barrier()")
     result = run_mpi(2, ["-c", code], timeout=60, cwd=REPO_ROOT)
     assert result.returncode != 0 and "ZeroDivisionError" in result.output
     assert "MPI_Abort" in result.output
-    held = {path for line in result.output.splitlines() if line.startswith("held ")
-            for path in line.split()[1:] if "hydra_hwloc_xmlfile_" in path}
+    held = hydra_held(tmp_path)
     assert held and not any(os.path.exists(path) for path in held), held
 
 

@@ -31,7 +31,7 @@ import pytest
 from launcher.core.errors import EXIT_RANK_FAILED, EXIT_USER_ERROR
 from tests.fixtures.gpu import nccl_ranks, needs_gpu
 from tests.fixtures.host_mpi import OPENMPI_ROOT_ENV
-from tests.fixtures.left_behind import LeftBehind, processes_marked
+from tests.fixtures.left_behind import LeftBehind, hydra_held, hydra_held_code, processes_marked
 from tests.fixtures.mpi import REPO_ROOT, clean_environ, mpiexec_path
 from tests.fixtures.rank_exits import FAILURE_ENDS_WITHIN_S, RECORD, rank_exits
 from tests.fixtures.scheduling import uses
@@ -201,23 +201,20 @@ def test_open_mpi_mpirun_aborts_the_world_naming_the_cause(tmp_path, data_dir, o
 
 
 @pytest.mark.mpi
-def test_an_aborted_job_leaves_no_topology_file_of_hydras():
+def test_an_aborted_job_leaves_no_topology_file_of_hydras(tmp_path):
     """Hydra's proxy writes the node's topology to /tmp/hydra_hwloc_xmlfile_* and removes it
     as it ends, but MPI_Abort kills it first: every failed job left one file per node, until
     the ranks removed it before their abort (launcher.faults.exits.end_process)."""
-    code = ("import os; from mpi4py import MPI; from launcher.faults import exits; "
-            "from launcher.mpi import segments; fds = f'/proc/{os.getppid()}/fd'; "
-            "held = [os.readlink(f'{fds}/{fd}') for fd in os.listdir(fds)]; "
-            "print('held', *[path for path in held if path.startswith(exits.HYDRA_TOPOLOGY)], "
-            "flush=True); segments.unlink_mapped(MPI.COMM_WORLD); exits.end_process(4)")
+    code = ("from mpi4py import MPI; from launcher.faults import exits; "
+            "from launcher.mpi import segments; " + hydra_held_code(tmp_path)
+            + "segments.unlink_mapped(MPI.COMM_WORLD); exits.end_process(4)")
     left = LeftBehind()
     result = subprocess.run([str(mpiexec_path()), "-n", "2", sys.executable, "-c", code],
                             capture_output=True, text=True, timeout=120, cwd=REPO_ROOT,
                             env=clean_environ({"DDP_TEST_MARK": left.mark}))
     left.check()
     assert result.returncode == 4, result.stderr
-    held = {path for line in result.stdout.splitlines() if line.startswith("held ")
-            for path in line.split()[1:]}
+    held = hydra_held(tmp_path)
     assert len(held) == 1, result.stdout
     assert not any(os.path.exists(path) for path in held)
 
