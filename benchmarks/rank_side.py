@@ -41,8 +41,7 @@ def end_job_on_error() -> None:
     def abort(kind, value, trace) -> None:
         printed(kind, value, trace)
         sys.stderr.flush()
-        exits.remove_hydra_topology()  # what Hydra's killed proxy would leave in /tmp
-        MPI.COMM_WORLD.Abort(1)
+        exits.abort_mpi(MPI, 1)
 
     sys.excepthook = abort
 

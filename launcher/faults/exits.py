@@ -39,9 +39,15 @@ def end_process(status: int, linger_s: float = 0.0) -> None:
     mpi = sys.modules.get("mpi4py.MPI")
     if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
         time.sleep(linger_s)
-        remove_hydra_topology()
-        mpi.COMM_WORLD.Abort(status)
+        abort_mpi(mpi, status)
     os._exit(status)
+
+
+def abort_mpi(mpi, status: int) -> None:
+    """``MPI_Abort`` (``mpi``: the mpi4py.MPI module), the only way this project calls it:
+    Hydra's topology file removed first (``remove_hydra_topology``)."""
+    remove_hydra_topology()
+    mpi.COMM_WORLD.Abort(status)
 
 
 def remove_hydra_topology(ancestors: int = 3) -> list[str]:

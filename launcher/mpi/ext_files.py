@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,6 +26,8 @@ def directory(given: str | None = None) -> Path:
 def staging(target: Path) -> Iterator[Path]:
     """A directory to build ``target`` in, beside it (one file system: ``install`` is a
     rename), removed after with whatever the build left there."""
+    import tempfile  # here: ``ucx_address`` imports this module as every Python starts
+
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         yield Path(tmp)

@@ -166,5 +166,4 @@ def abort_at_exit() -> None:
 
 
 def _abort() -> None:
-    exits.remove_hydra_topology()  # what Hydra's killed proxy would leave in /tmp
-    MPI.COMM_WORLD.Abort(1)
+    exits.abort_mpi(MPI, 1)
