@@ -25,7 +25,6 @@ import argparse
 import hashlib
 import importlib.util
 import json
-import os
 import re
 import shutil
 import sys
@@ -43,6 +42,7 @@ else:  # run as a file of its own (the image's build stage): the files beside it
 
 BACKEND_NAME = "mpi_cxx"
 SOURCE = Path(__file__).with_name("cxx.cpp")
+_PREFIX = "ddp_mpi_cxx_"
 #: what ``DDP_MPI_IMPL`` may say
 IMPL_CHOICES = ("auto", "cxx", "python")
 #: the ABI the source is compiled for (``mpi.h`` of MPICH)
@@ -59,7 +59,7 @@ def _launch_error(message: str, hint: str) -> Exception:
 def module_name() -> str:
     """The module's name: a hash of what makes a build usable (source, torch)."""
     digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()
-    return f"ddp_mpi_cxx_{digest[:16]}"
+    return f"{_PREFIX}{digest[:16]}"
 
 
 def built_path(directory: str | None = None) -> Path:
@@ -96,9 +96,8 @@ def build(mpi_prefix: Path, directory: str | None = None, quiet: bool = True) ->
         dist.run_commands()
         (built,) = tmp.glob(f"{name}*.so")
         manifest = {"torch": torch.__version__, "libmpi": str((lib / SONAME).resolve())}
-        (tmp / "manifest.json").write_text(json.dumps(manifest))
-        os.replace(tmp / "manifest.json", target.with_suffix(".json"))
-        ext_files.install(built, target, "ddp_mpi_cxx_", companions=(".json",))
+        built.with_suffix(".json").write_text(json.dumps(manifest))
+        ext_files.install(built, target, _PREFIX, companions=(".json",))
     return target
 
 
@@ -110,7 +109,7 @@ def loaded_libmpi() -> str | None:
 
 
 def _why_not_built(directory: str | None) -> str:
-    others = sorted(ext_files.directory(directory).glob("ddp_mpi_cxx_*.json"))
+    others = sorted(ext_files.directory(directory).glob(f"{_PREFIX}*.json"))
     for other in others:
         version = json.loads(other.read_text()).get("torch")
         if version != torch.__version__:

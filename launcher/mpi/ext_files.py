@@ -34,8 +34,11 @@ def staging(target: Path) -> Iterator[Path]:
 
 
 def install(built: Path, target: Path, prefix: str, companions: tuple[str, ...] = ()) -> None:
-    """Rename ``built`` to ``target``, then remove the other ``prefix*.so`` beside it (other
-    sources' or torch versions' builds) and their ``companions`` (same stem, those suffixes)."""
+    """Rename ``built`` to ``target``, its ``companions`` (same stem, those suffixes) first, so
+    that a loader that finds the file finds them too; then remove the other ``prefix*.so``
+    beside it (other sources' or torch versions' builds) and their companions."""
+    for suffix in companions:
+        os.replace(built.with_suffix(suffix), target.with_suffix(suffix))
     os.replace(built, target)
     for stale in target.parent.glob(f"{prefix}*.so"):
         if stale != target:

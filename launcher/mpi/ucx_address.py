@@ -20,7 +20,7 @@ else:  # the image's build stage: the file beside it
     import ext_files
 
 SOURCE = Path(__file__).with_name("ucx_address.cpp")
-PREFIX = "ddp_ucx_address_"
+_PREFIX = "ddp_ucx_address_"
 
 
 @functools.cache
@@ -30,7 +30,7 @@ def _digest() -> str:
 
 def path(directory: str | None = None) -> Path:
     """The built file, named by a hash of its source."""
-    return ext_files.directory(directory) / f"{PREFIX}{_digest()}.so"
+    return ext_files.directory(directory) / f"{_PREFIX}{_digest()}.so"
 
 
 def build(directory: str | None = None, compiler: str = "c++") -> Path:
@@ -45,7 +45,7 @@ def build(directory: str | None = None, compiler: str = "c++") -> Path:
         built = tmp / target.name
         subprocess.run([compiler, "-O2", "-g0", "-shared", "-fPIC", "-o", str(built),
                         str(SOURCE), "-ldl"], check=True)
-        ext_files.install(built, target, PREFIX)
+        ext_files.install(built, target, _PREFIX)
     return target
 
 
