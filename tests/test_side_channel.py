@@ -162,6 +162,27 @@ def test_nothing_goes_through_the_store_once_open(server):
             channel.close()
 
 
+def test_ranks_not_met_are_looked_up_over_one_store_connection(server, monkeypatch):
+    """A rank that reads the posts of ranks it has not met (a hang's diagnosis) looks their
+    addresses up in the store over one client of its own, not one per rank: at N ranks each
+    looking up a few, rank 0's store would otherwise take N times a few connections."""
+    opened = _open(server.port, world=16)
+    try:
+        for rank, channel in enumerate(opened):
+            channel.post("t.where", b"%d" % rank)
+        unmet = [rank for rank in range(1, 16) if rank not in opened[0]._addresses]
+        assert len(unmet) >= 5
+        made = []
+        real = dist.TCPStore
+        monkeypatch.setattr(side_socket.dist, "TCPStore",
+                            lambda *args, **kwargs: made.append(args) or real(*args, **kwargs))
+        assert opened[0].read_many(unmet, "t.where") == {rank: b"%d" % rank for rank in unmet}
+        assert len(made) == 1
+    finally:
+        for channel in opened:
+            channel.close()
+
+
 def test_a_rank_that_ended_is_gone_and_the_others_go_on(channels):
     channels[2].close()
     with pytest.raises(ChannelGone):

@@ -6,7 +6,8 @@ for the beats, and for messages its O(log N) tree neighbours and the few ranks i
 thread of the channel's own reads what arrives and hands it to ``SideChannel``.
 Nothing travels through rank 0 once the channel is open: the rendezvous store is used at the start
 only (every rank's address and node, gathered as the nodes are; then whether each rank reached
-its watchers) and, rarely, to look up the address of a rank not met yet (one read).
+its watchers) and, rarely, to look up the address of a rank not met yet (one read, over the
+one client a rank keeps for that).
 
 A stopped rank's kernel still takes what is sent to it, so a beat never blocks on a silent
 peer: its silence is what tells. A killed one refuses the connection: sends to it fail, and
@@ -100,6 +101,8 @@ class SocketSideChannel(SideChannel):
         self._locks: dict[int, threading.Lock] = {}
         self._locks_lock = threading.Lock()
         self._gone: set[int] = set()
+        self._store: dist.TCPStore | None = None
+        self._store_lock = threading.Lock()
         rank = env.rank
         self._call(store.multi_set, [f"{_ROOT}/addr/{rank}", f"{_ROOT}/node/{rank}"],
                    [self.address, env.node_name])
@@ -132,15 +135,21 @@ class SocketSideChannel(SideChannel):
                 "interface the nodes share with --ifname (GLOO_SOCKET_IFNAME)")
 
     def _client(self) -> dist.TCPStore:
-        """A client of the rendezvous store of its own, for a look-up mid-job: the
-        rendezvous' may be held by NCCL by then."""
-        env = self._env
-        try:
-            with quiet_c10d():
-                return dist.TCPStore(env.master_addr, env.master_port, is_master=False,
-                                     timeout=timedelta(seconds=CONNECT_S))
-        except (RuntimeError, OSError) as exc:
-            raise ChannelGone(str(exc)) from exc
+        """A client of the rendezvous store of its own, for the look-ups mid-job (the
+        rendezvous' may be held by NCCL by then): one per rank, made at the first, so that a
+        hang that has every rank look up a few peers opens N connections to rank 0, not N
+        times a few."""
+        with self._store_lock:
+            if self._store is None:
+                env = self._env
+                try:
+                    with quiet_c10d():
+                        self._store = dist.TCPStore(env.master_addr, env.master_port,
+                                                    is_master=False,
+                                                    timeout=timedelta(seconds=CONNECT_S))
+                except (RuntimeError, OSError) as exc:
+                    raise ChannelGone(str(exc)) from exc
+            return self._store
 
     @staticmethod
     def _call(method, *args):
@@ -311,6 +320,7 @@ class SocketSideChannel(SideChannel):
         for sock in [*self._out.values(), self._listener, self._wake, self._woken]:
             sock.close()
         self._out.clear()
+        self._store = None
 
 
 def _writable(sock: socket.socket) -> bool:
