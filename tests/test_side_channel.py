@@ -19,7 +19,7 @@ import pytest
 import torch.distributed as dist
 
 from launcher.core.errors import LaunchError
-from launcher.faults import side_socket, side_wire
+from launcher.faults import side_addresses, side_socket, side_wire
 from launcher.faults.side_channel import ChannelGone, forwards, neighbours
 from launcher.faults.side_socket import SocketSideChannel
 from launcher.placement.env import detect_environment
@@ -174,7 +174,7 @@ def test_ranks_not_met_are_looked_up_over_one_store_connection(server, monkeypat
         assert len(unmet) >= 5
         made = []
         real = dist.TCPStore
-        monkeypatch.setattr(side_socket.dist, "TCPStore",
+        monkeypatch.setattr(side_addresses.dist, "TCPStore",
                             lambda *args, **kwargs: made.append(args) or real(*args, **kwargs))
         assert opened[0].read_many(unmet, "t.where") == {rank: b"%d" % rank for rank in unmet}
         assert len(made) == 1

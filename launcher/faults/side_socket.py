@@ -6,8 +6,8 @@ for the beats, and for messages its O(log N) tree neighbours and the few ranks i
 thread of the channel's own reads what arrives and hands it to ``SideChannel``.
 Nothing travels through rank 0 once the channel is open: the rendezvous store is used at the start
 only (every rank's address and node, gathered as the nodes are; then whether each rank reached
-its watchers) and, rarely, to look up the address of a rank not met yet (one read, over the
-one client a rank keeps for that).
+its watchers) and, rarely, to look up the address of a rank not met yet
+(``launcher.faults.side_addresses``).
 
 A stopped rank's kernel still takes what is sent to it, so a beat never blocks on a silent
 peer: its silence is what tells. A killed one refuses the connection: sends to it fail, and
@@ -25,19 +25,17 @@ port could send one.
 from __future__ import annotations
 
 import contextlib
-import json
 import queue
 import select
 import selectors
 import socket
 import threading
 import traceback
-from datetime import timedelta
 
 import torch.distributed as dist
 
 from launcher.core.errors import LaunchError
-from launcher.faults.c10d_log import quiet_c10d
+from launcher.faults.side_addresses import Addresses
 from launcher.faults.side_channel import ChannelGone, SideChannel, neighbours
 from launcher.faults.side_wire import (
     BEAT,
@@ -45,23 +43,16 @@ from launcher.faults.side_wire import (
     MESSAGE,
     decode_item,
     encode_item,
-    expand,
     frame,
-    runs,
     unframe,
 )
 from launcher.placement import network
 from launcher.placement.env import JobEnv
 
-_ROOT = "ddp/side"
-#: how long the ranks wait for each other at the start (the rendezvous is done by then)
-START_S = 300.0
 #: a connection not made by then fails: the peer's node is gone, or a firewall drops it
 CONNECT_S = 10.0
 #: a send not taken by then fails (a peer that has not read for hours: its buffers are full)
 SEND_S = 5.0
-#: how many of the ranks that could not reach a watcher the start-up error names
-NAMED = 3
 
 
 def reachable_at(env: JobEnv) -> str:
@@ -101,17 +92,11 @@ class SocketSideChannel(SideChannel):
         self._locks: dict[int, threading.Lock] = {}
         self._locks_lock = threading.Lock()
         self._gone: set[int] = set()
-        self._store: dist.TCPStore | None = None
-        self._store_lock = threading.Lock()
+        self._addresses = Addresses(env)
         rank = env.rank
-        self._call(store.multi_set, [f"{_ROOT}/addr/{rank}", f"{_ROOT}/node/{rank}"],
-                   [self.address, env.node_name])
-        nodes = expand(self._gathered(store, "node", "nodes", runs))
-        super().__init__(env, nodes)
-        peers = [peer for peer in dict.fromkeys(
-            [*self.watch.watchers, *neighbours(rank, env.world_size), 0]) if peer != rank]
-        self._addresses = dict(zip(peers, (value.decode() for value in self._call(
-            store.multi_get, [f"{_ROOT}/addr/{peer}" for peer in peers])), strict=True))
+        super().__init__(env, self._addresses.publish(store, self.address))
+        self._addresses.fetch(store, [peer for peer in dict.fromkeys(
+            [*self.watch.watchers, *neighbours(rank, env.world_size), 0]) if peer != rank])
         self._wake, self._woken = socket.socketpair()
         self._inbox: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
         #: the threads that read what arrives and handle the messages (their CPU is measured)
@@ -121,9 +106,8 @@ class SocketSideChannel(SideChannel):
         for thread in self.threads:
             thread.start()
         unreached = [self._reach(peer) for peer in self.watch.watchers]
-        self._call(store.set, f"{_ROOT}/reach/{rank}",
-                   "; ".join(problem for problem in unreached if problem))
-        problems = json.loads(self._gathered(store, "reach", "reached", _named_problems))
+        problems = self._addresses.unreached(
+            store, "; ".join(problem for problem in unreached if problem))
         if problems:
             self.close()
             raise LaunchError(
@@ -134,42 +118,6 @@ class SocketSideChannel(SideChannel):
                 "each other on every TCP port (a firewall between them?), or name the "
                 "interface the nodes share with --ifname (GLOO_SOCKET_IFNAME)")
 
-    def _client(self) -> dist.TCPStore:
-        """A client of the rendezvous store of its own, for the look-ups mid-job (the
-        rendezvous' may be held by NCCL by then): one per rank, made at the first, so that a
-        hang that has every rank look up a few peers opens N connections to rank 0, not N
-        times a few."""
-        with self._store_lock:
-            if self._store is None:
-                env = self._env
-                try:
-                    with quiet_c10d():
-                        self._store = dist.TCPStore(env.master_addr, env.master_port,
-                                                    is_master=False,
-                                                    timeout=timedelta(seconds=CONNECT_S))
-                except (RuntimeError, OSError) as exc:
-                    raise ChannelGone(str(exc)) from exc
-            return self._store
-
-    @staticmethod
-    def _call(method, *args):
-        try:
-            with quiet_c10d():
-                return method(*args)
-        except (RuntimeError, OSError) as exc:  # torch's DistError; older releases' plain ones
-            raise ChannelGone(str(exc)) from exc
-
-    def _gathered(self, store, each: str, into: str, combine) -> bytes:
-        """Rank 0 reads every rank's ``each`` key and writes ``combine`` of them under
-        ``into``, which every rank reads: O(N) at rank 0 once, O(1) calls per rank."""
-        if self._env.rank == 0:
-            keys = [f"{_ROOT}/{each}/{other}" for other in range(self._env.world_size)]
-            self._call(store.wait, keys, timedelta(seconds=START_S))
-            values = [value.decode() for value in self._call(store.multi_get, keys)]
-            self._call(store.set, f"{_ROOT}/{into}", combine(values))
-        self._call(store.wait, [f"{_ROOT}/{into}"], timedelta(seconds=START_S))
-        return self._call(store.get, f"{_ROOT}/{into}")
-
     def _reach(self, peer: int) -> str:
         """Connect to ``peer``; what went wrong, or "" when it is reached."""
         try:
@@ -177,20 +125,12 @@ class SocketSideChannel(SideChannel):
                 self._connection(peer)
         except ChannelGone as exc:
             return (f"rank {self.rank} on {self.node(self.rank)} cannot reach rank {peer} on "
-                    f"{self.node(peer)} at {self._addresses[peer]}: {exc}")
+                    f"{self.node(peer)} at {self._addresses.known(peer)}: {exc}")
         return ""
 
     def _lock(self, peer: int) -> threading.Lock:
         with self._locks_lock:
             return self._locks.setdefault(peer, threading.Lock())
-
-    def _address(self, peer: int) -> str:
-        """Where ``peer`` listens: known since the start or from its messages, else read from
-        the rendezvous store (which must still be there)."""
-        if peer not in self._addresses:
-            self._addresses[peer] = self._call(self._client().get,
-                                               f"{_ROOT}/addr/{peer}").decode()
-        return self._addresses[peer]
 
     def _connection(self, peer: int) -> socket.socket:
         """The connection to ``peer`` (made now if need be); under ``peer``'s lock."""
@@ -200,7 +140,7 @@ class SocketSideChannel(SideChannel):
         if peer in self._gone:
             raise ChannelGone(f"rank {peer} is out of reach")
         try:
-            sock = socket.create_connection(_split(self._address(peer)), timeout=CONNECT_S)
+            sock = socket.create_connection(_split(self._addresses[peer]), timeout=CONNECT_S)
         except OSError as exc:
             self._gone.add(peer)
             raise ChannelGone(str(exc)) from exc
@@ -241,7 +181,7 @@ class SocketSideChannel(SideChannel):
             lock.release()
 
     def _send_item(self, dest: int, item: tuple) -> None:
-        address = self.address if item[0] == self.rank else self._addresses.get(item[0], "")
+        address = self.address if item[0] == self.rank else self._addresses.known(item[0])
         self._send(dest, encode_item(address, item))
 
     def leave(self, failed: bool = False) -> None:
@@ -298,7 +238,7 @@ class SocketSideChannel(SideChannel):
         elif kind.startswith(MESSAGE):
             address, item = decode_item(framed)
             if address:
-                self._addresses.setdefault(item[0], address)
+                self._addresses.learn(item[0], address)
             self._inbox.put(item)
         else:
             raise ValueError(kind)
@@ -320,7 +260,7 @@ class SocketSideChannel(SideChannel):
         for sock in [*self._out.values(), self._listener, self._wake, self._woken]:
             sock.close()
         self._out.clear()
-        self._store = None
+        self._addresses.close()
 
 
 def _writable(sock: socket.socket) -> bool:
@@ -328,11 +268,3 @@ def _writable(sock: socket.socket) -> bool:
     poller = select.poll()
     poller.register(sock, select.POLLOUT)
     return bool(poller.poll(0))
-
-
-def _named_problems(problems: list[str]) -> str:
-    found = [problem for problem in problems if problem]
-    named = found[:NAMED]
-    if len(found) > NAMED:
-        named.append(f"and {len(found) - NAMED} more ranks")
-    return json.dumps(named)
