@@ -67,22 +67,16 @@ def _client(port: int) -> dist.TCPStore:
     return dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=300))
 
 
-class AllToAll:
-    """Every rank sets its counter and reads every rank's, each beat, on a client of its own;
-    the fail-fast watcher holds a third connection."""
+class _StoreBeats:
+    """A rank that beats through the store: each beat one set of its counter and one
+    multi_get of the keys it reads, on a client of its own."""
 
     store_calls = 2
 
-    def __init__(self, rank: int, size: int, port: int):
+    def __init__(self, port: int, key: str, keys: list[str]):
         self._client = _client(port)
-        self._key = f"hb/{rank}"
-        self._keys = [f"hb/{other}" for other in range(size)]
-        self._client.set(self._key, "0")
-        self._client.wait(self._keys, timedelta(seconds=300))
+        self._key, self._keys = key, keys
         self._count = 0
-        self.store_keys = size + 1
-        self.watcher = _client(port)
-        self.rendezvous = _client(port)
 
     def exchange(self) -> None:
         self._count += 1
@@ -90,17 +84,27 @@ class AllToAll:
         self._client.multi_get(self._keys)
 
 
-class StoreWatch(AllToAll):
-    """One set and one multi_get of the two watched ranks' counters, the mailbox and the
-    broadcast key, on one client beside the rendezvous'."""
+class AllToAll(_StoreBeats):
+    """Every rank sets its counter and reads every rank's, each beat; the fail-fast watcher
+    holds a third connection."""
 
     def __init__(self, rank: int, size: int, port: int):
-        self._client = _client(port)
-        self._key = f"hb/{rank}"
-        self._keys = [f"hb/{(rank - 1) % size}", f"hb/{(rank - 2) % size}", f"box/{rank}",
-                      "all"]
+        super().__init__(port, f"hb/{rank}", [f"hb/{other}" for other in range(size)])
+        self._client.set(self._key, "0")
+        self._client.wait(self._keys, timedelta(seconds=300))
+        self.store_keys = size + 1
+        self.watcher = _client(port)
+        self.rendezvous = _client(port)
+
+
+class StoreWatch(_StoreBeats):
+    """The two watched ranks' counters, the mailbox and the broadcast key, each beat, on one
+    client beside the rendezvous'."""
+
+    def __init__(self, rank: int, size: int, port: int):
+        super().__init__(port, f"hb/{rank}", [f"hb/{(rank - 1) % size}",
+                                              f"hb/{(rank - 2) % size}", f"box/{rank}", "all"])
         self._client.multi_set([self._key, f"box/{rank}", "all"], ["0", "", ""])
-        self._count = 0
         self.store_keys = 1 + len(self._keys)
         self.rendezvous = _client(port)
 
