@@ -27,12 +27,14 @@ identical columns differed by up to 15 µs a step in their best rounds):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import time
 import types
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -63,22 +65,39 @@ def per_call(op, calls: int) -> float:
     return best
 
 
-def _module_at(revision: str, name: str, **names) -> types.ModuleType | None:
+def _module_at(revision: str, name: str, **names: types.ModuleType) -> types.ModuleType | None:
     """``launcher/faults/NAME.py`` as it was at ``revision``, as a module of its own whose
-    ``from launcher.faults import`` of ``names`` gets those; None where it did not exist."""
+    imports of ``launcher.faults``' ``names`` get the modules given; None where it did not
+    exist."""
     shown = subprocess.run(["git", "show", f"{revision}:launcher/faults/{name}.py"],
                            cwd=REPO, capture_output=True, text=True)
     if shown.returncode:
         return None
-    source = shown.stdout
-    for imported in names:
-        source = source.replace(f"from launcher.faults import {imported}\n", "\n")
     module = types.ModuleType(f"{name}_before")
     module.__file__ = fr.__file__
-    module.__dict__.update(names)
     sys.modules[module.__name__] = module  # dataclasses look the module up
-    exec(compile(source, f"{revision}:launcher/faults/{name}.py", "exec"), module.__dict__)
+    with _standing_in(names):
+        exec(compile(shown.stdout, f"{revision}:launcher/faults/{name}.py", "exec"),
+             module.__dict__)
     return module
+
+
+@contextlib.contextmanager
+def _standing_in(names: dict[str, types.ModuleType]) -> Iterator[None]:
+    """``launcher.faults.NAME`` is the module given while an older module's imports run,
+    whichever form they take (``from launcher.faults import NAME``, ``import ... as``)."""
+    package = sys.modules["launcher.faults"]
+    # the modules named are imported at the top of this file: there is always one to put back
+    saved = {name: getattr(package, name) for name in names}
+    try:
+        for name, module in names.items():
+            setattr(package, name, module)
+            sys.modules[f"{package.__name__}.{name}"] = module
+        yield
+    finally:
+        for name, module in saved.items():
+            setattr(package, name, module)
+            sys.modules[f"{package.__name__}.{name}"] = module
 
 
 class Before:

@@ -240,6 +240,36 @@ def test_the_rank_side_benchmarks_start_as_modules_across_compose_nodes(compose_
     assert len(result["busGBps"][label]) == 8 and min(result["busGBps"][label].values()) > 0
 
 
+def test_flight_recorder_benchmark_puts_before_and_with_beside_without(tmp_path):
+    """One round, the recorder of HEAD as "before" (read from git, its ddp_steps bound to it)."""
+    out = tmp_path / "flight_recorder.json"
+    result = subprocess.run([sys.executable, "-m", "benchmarks.flight_recorder", "--rounds", "1",
+                             "--before", "HEAD", "--json", str(out)], capture_output=True,
+                            text=True, timeout=300, env=clean_environ(), cwd=REPO_ROOT)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(out.read_text())
+    rows = {row["measure"]: row for row in report["results"]}
+    assert list(rows)[:4] == ["wrapper", "all_reduce 4 KiB", "step", "step, torch's hook"]
+    assert all(row[f"{mode}_us"] > 0 for row in rows.values()
+               for mode in ("without", "before", "with"))
+    # the wrapper around a function that does nothing is all recorder: never free
+    assert rows["wrapper"]["with_us"] > rows["wrapper"]["without_us"]
+    assert rows["wrapper"]["before_us"] > rows["wrapper"]["without_us"]
+    assert "with +us" in result.stdout
+
+
+def test_checkpoint_benchmark_saves_and_loads_each_model(tmp_path):
+    out = tmp_path / "checkpoint.json"
+    result = subprocess.run([sys.executable, "-m", "benchmarks.checkpoint", "--rounds", "1",
+                             "--json", str(out)], capture_output=True, text=True, timeout=300,
+                            env=clean_environ(), cwd=REPO_ROOT)
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(out.read_text())["results"]
+    assert [row["model"] for row in rows] == ["mlp", "autoencoder", "cnn"]
+    assert all(row["bytes"] > 4 * row["parameters"] and row["save_ms"] > 0 and row["load_ms"] > 0
+               for row in rows)
+
+
 def test_binding_benchmark_compares_none_and_auto(tmp_path):
     out = tmp_path / "binding.json"
     result = subprocess.run([sys.executable, "-m", "benchmarks.binding", "--rounds", "1",
