@@ -18,6 +18,7 @@ from __future__ import annotations
 import getpass
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -283,6 +284,30 @@ def test_host_intel_mpi_bound_in(ch_image, impi_prefix, tmp_path):
                  f"Intel(R) MPI Library {IMPI_VERSION}", f"{HOST_MPI_LIB}/libmpi.so.12", "pmi",
                  COMPILED)  # on Intel's library: the MPICH ABI
     equal_hashes(run_host([*mpiexec, "launcher.train", *TRAIN], IMPI_ENV))
+
+
+@pytest.mark.mpi
+def test_a_host_mpich_named_libmpich_is_the_one_loaded(impi_prefix, tmp_path):
+    """Debian's and Ubuntu's MPICH ship ``libmpich.so.12`` and no ``libmpi.so.12``: a directory
+    holding only that name, first on LD_LIBRARY_PATH, is the host's MPI (played by a copy of
+    Intel's MPICH-ABI library under that name, not a link, which /proc/self/maps would show
+    resolved; its own directory after it, for libfabric), in the venv, no container. The
+    compiled backend, linked to ``libmpi.so.12``, would load a second MPI beside it: the
+    Python backend runs, and says why."""
+    host = tmp_path / "host-lib"
+    host.mkdir()
+    shutil.copy(impi_prefix / "lib" / "libmpi.so.12", host / "libmpich.so.12")
+    result = run_host([str(impi_prefix / "bin" / "mpiexec.hydra"), "-n", "2", sys.executable,
+                       "-m", "launcher.check", "--backend", "mpi"],
+                      {**IMPI_ENV, "LD_LIBRARY_PATH": f"{host}:{impi_prefix / 'lib'}"})
+    out = result.stdout.replace("\0", "")
+    report = f"exit {result.returncode}\n{out}\n{result.stderr}"
+    assert result.returncode == 0 and "check passed" in out, report
+    assert f"mpi_library: Intel(R) MPI Library {IMPI_VERSION}" in out, report
+    assert LIBMPI_PATH.findall(out) == [str(host / "libmpich.so.12")], report
+    assert (f"mpi: rank 0 runs the Python mpi backend: mpi4py runs on {host}/libmpich.so.12, the "
+            "compiled mpi backend on the MPICH ABI (libmpi.so.12): two MPI libraries cannot "
+            "share a process") in out, report
 
 
 def test_the_image_has_the_mount_points_ch_run_cannot_create(ch_image):

@@ -84,8 +84,8 @@ def test_the_launchers_pmi_picks_the_bundled_mpi(environ, abi, bundled):
     assert (choice.abi, Path(choice.path)) == (abi, bundled[abi == "openmpi"])
 
 
-@pytest.mark.parametrize("name, abi", [("libmpi.so.12", "mpich"), ("libmpi.so.40", "openmpi"),
-                                       ("libmpi.so", "")])
+@pytest.mark.parametrize("name, abi", [("libmpi.so.12", "mpich"), ("libmpich.so.12", "mpich"),
+                                       ("libmpi.so.40", "openmpi"), ("libmpi.so", "")])
 def test_a_libmpi_bound_in_on_ld_library_path_wins(tmp_path, bundled, name, abi):
     host = _library(tmp_path / "host-mpi" / "lib", name)
     path = f"{tmp_path / 'empty'}:{host.parent}:{bundled[0].parent}"

