@@ -70,6 +70,29 @@ def test_the_users_interface_wins():
     assert (choice.ifname, choice.reason) == ("lo", "set by the user")
 
 
+@pytest.mark.parametrize(("ifname", "message"), [
+    ("^lo,docker0", "GLOO_SOCKET_IFNAME=^lo,docker0: gloo takes interface names, not NCCL's '^' "
+                    "syntax (NCCL_SOCKET_IFNAME may keep it)"),
+    ("=lo", "GLOO_SOCKET_IFNAME==lo: gloo takes interface names, not NCCL's '=' "
+             "syntax (NCCL_SOCKET_IFNAME may keep it)"),
+    ("eht0", "GLOO_SOCKET_IFNAME=eht0: this node has no interface eht0"),
+    ("lo,eht0", "GLOO_SOCKET_IFNAME=lo,eht0: this node has no interface eht0"),
+])
+def test_a_users_interface_this_node_lacks_is_one_error_naming_its_interfaces(ifname, message):
+    with pytest.raises(LaunchError) as raised:
+        network.choose(ifname, "127.0.0.1", spans_nodes=False)
+    assert raised.value.message == message
+    assert raised.value.hint.startswith("name the interface the nodes share with --ifname")
+    names = [name for _, name in socket.if_nameindex()]
+    shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+    assert raised.value.hint.endswith(f"has {shown}")
+
+
+def test_gloos_list_of_interfaces_is_taken_its_first_names_the_address():
+    choice = network.choose("lo,lo", None, spans_nodes=True)
+    assert (choice.ifname, choice.address) == ("lo,lo", "127.0.0.1")
+
+
 def test_no_target_no_choice_yet():
     assert network.choose(None, None, spans_nodes=True) is None
 

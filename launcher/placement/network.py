@@ -91,8 +91,7 @@ def choose(user_ifname: str | None, target: str | None, spans_nodes: bool,
     loopback (rank 0 whose own name resolves to 127.0.1.1, or to itself).
     """
     if user_ifname:
-        return NetworkChoice(user_ifname, interface_address(user_ifname) or "",
-                             "set by the user")
+        return _users(user_ifname)
     if target is None:
         return None
     try:
@@ -121,6 +120,31 @@ def choose(user_ifname: str | None, target: str | None, spans_nodes: bool,
             hint="name the interface with --ifname (GLOO_SOCKET_IFNAME)",
         )
     return NetworkChoice(ifname, address, reason)
+
+
+#: interfaces a hint names (a Docker host has a veth per container)
+_SHOWN = 8
+
+
+def _users(ifname: str) -> NetworkChoice:
+    """The user's GLOO_SOCKET_IFNAME (--ifname): one name or gloo's comma-separated list, each
+    an interface of this node. Else gloo would fail later with a message that names neither
+    the setting nor the node."""
+    have = [name for _index, name in socket.if_nameindex()]
+    shown = ", ".join(have[:_SHOWN]) + (f" and {len(have) - _SHOWN} more" if len(have) > _SHOWN
+                                        else "")
+    hint = (f"name the interface the nodes share with --ifname (GLOO_SOCKET_IFNAME); this node "
+            f"({socket.gethostname()}) has {shown}")
+    if ifname[0] in "^=":
+        raise LaunchError(
+            f"GLOO_SOCKET_IFNAME={ifname}: gloo takes interface names, not NCCL's "
+            f"'{ifname[0]}' syntax (NCCL_SOCKET_IFNAME may keep it)", hint=hint)
+    names = [name.strip() for name in ifname.split(",")]
+    unknown = [name for name in names if name not in have]
+    if unknown:
+        raise LaunchError(f"GLOO_SOCKET_IFNAME={ifname}: this node has no interface "
+                          f"{', '.join(unknown)}", hint=hint)
+    return NetworkChoice(ifname, interface_address(names[0]) or "", "set by the user")
 
 
 def has_rdma() -> bool:
