@@ -188,6 +188,8 @@ def test_pass_through_fields():
                   "DDP_PREEMPT_SIGNAL": "SIGUSR2"})
     assert (env.visible_devices, env.image, env.preempt_signal, env.hostname) == (
         "2,3", "ddp:1.0@sha256:ab", "USR2", "testhost")
+    assert detect({"NCCL_PROXY_DUMP_SIGNAL": " 10 "}).nccl_dump_signal == "10"
+    assert detect({}).nccl_dump_signal is None
 
 
 def test_the_compiled_backends_directory_comes_in_jobenv():

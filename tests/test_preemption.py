@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from launcher.core.errors import EXIT_INTERRUPTED, LaunchError
-from launcher.faults.preemption import PreemptionWatch
+from launcher.faults.preemption import PreemptionWatch, nccl_clash
 
 CPU = torch.device("cpu")
 
@@ -54,3 +54,20 @@ def test_ctrl_c_stops_with_130_and_wins_over_a_preemption():
         assert watch.agreed(CPU)
         assert watch.stop_status == EXIT_INTERRUPTED
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+@pytest.mark.parametrize(("preempt", "dump", "named", "other_offered"), [
+    ("USR1", "10", "SIGUSR1", True), ("USR2", "12", "SIGUSR2", True),
+    ("USR1", "15", "SIGTERM", False),
+])
+def test_nccls_dump_signal_on_a_caught_signal_is_named(preempt, dump, named, other_offered):
+    line = nccl_clash(preempt, dump)
+    assert line.startswith(f"NCCL_PROXY_DUMP_SIGNAL={dump} is {named}, a signal that tells this "
+                           "job to save and stop: NCCL takes it over")
+    assert ("DDP_PREEMPT_SIGNAL=USR2" in line) == other_offered
+
+
+@pytest.mark.parametrize(("preempt", "dump"), [("USR1", None), ("USR1", "12"), ("USR2", "10"),
+                                               ("USR1", "usr1")])
+def test_nccls_dump_signal_elsewhere_is_no_clash(preempt, dump):
+    assert nccl_clash(preempt, dump) is None

@@ -45,7 +45,7 @@ from launcher.core.logging_utils import print_lines
 from launcher.faults import exit_status, rank_record
 from launcher.faults.agreement import agree
 from launcher.faults.exits import exit_statuses
-from launcher.faults.preemption import PreemptionWatch
+from launcher.faults.preemption import PreemptionWatch, nccl_clash
 from launcher.group.process_group import process_group
 from launcher.placement.env import JobEnv
 
@@ -242,6 +242,9 @@ def distributed(backend: str = "auto", timeout_s: float = TIMEOUT_S,
         with _witnessed(status_dir, env), PreemptionWatch(env.preempt_signal, env.rank) as watch, \
                 process_group(env, backend, timeout_s,
                               None if status_dir is None else Path(status_dir)) as ctx:
+            clash = nccl_clash(env.preempt_signal, env.nccl_dump_signal)
+            if clash and ctx.backend == "nccl" and env.is_main:
+                _warn(clash)
             curves = (None if status_dir is None
                       else Curves(Path(status_dir) / "tensorboard", ctx.env.is_main))
             try:

@@ -35,6 +35,24 @@ INTERRUPT_GRACE_S = 5.0
 _RUNNING, _PREEMPT, _INTERRUPT = 0, 1, 2
 
 
+def nccl_clash(preempt_signal: str, nccl_dump_signal: str | None) -> str | None:
+    """The warning for ``NCCL_PROXY_DUMP_SIGNAL`` (a number) set to the preemption signal or
+    SIGTERM: NCCL installs its own handler for it when its communicator starts, after this
+    watch's, so the scheduler's warning would dump NCCL's proxy state and save nothing."""
+    if nccl_dump_signal is None or not nccl_dump_signal.isdigit():
+        return None
+    caught = {getattr(signal, f"SIG{preempt_signal}"), signal.SIGTERM}
+    clash = [number for number in caught if number == int(nccl_dump_signal)]
+    if not clash:
+        return None
+    name = clash[0].name
+    other = "" if clash[0] == signal.SIGTERM else (
+        ", or preempt with another (DDP_PREEMPT_SIGNAL=USR2 and sbatch --signal=USR2@120)")
+    return (f"NCCL_PROXY_DUMP_SIGNAL={nccl_dump_signal} is {name}, a signal that tells this job "
+            "to save and stop: NCCL takes it over, and a preemption would save nothing; unset "
+            f"NCCL_PROXY_DUMP_SIGNAL or give it another signal{other}")
+
+
 class PreemptionWatch:
     """Catches the preemption signal, SIGTERM and SIGINT while active (a context manager)."""
 

@@ -52,6 +52,7 @@ class JobEnv(Placement):
     mpi_impl: str = "auto"  # DDP_MPI_IMPL: --backend mpi compiled ("cxx"), "python" or "auto"
     mpi_cxx_dir: str | None = None  # DDP_MPI_CXX_DIR: where the compiled mpi backend is built
     ifname: str | None = None  # GLOO_SOCKET_IFNAME as the user set it (--ifname)
+    nccl_dump_signal: str | None = None  # NCCL_PROXY_DUMP_SIGNAL: the number NCCL would catch
     network: NetworkChoice | None = None  # the interface used, chosen at start-up
 
     @property
@@ -206,6 +207,7 @@ def detect_environment(
         mpi_impl=environ.get("DDP_MPI_IMPL", "").strip() or "auto",
         mpi_cxx_dir=build_tools(environ).mpi_cxx_dir,
         ifname=environ.get("GLOO_SOCKET_IFNAME", "").strip() or None,
+        nccl_dump_signal=environ.get("NCCL_PROXY_DUMP_SIGNAL", "").strip() or None,
     )
 
 
