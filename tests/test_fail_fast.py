@@ -168,6 +168,9 @@ def test_one_rank_raises_every_rank_ends_naming_it(request, tmp_path, data_dir, 
         assert result.returncode == EXIT_RANK_FAILED, result.stderr
     else:
         assert result.returncode != 0
+    if launcher == "torchrun":  # the agent's summary shows the cause, not "error_file: <N/A>"
+        root = result.stderr.partition("Root Cause (first observed failure):")[2]
+        assert f"{fault.kind}: injected fault" in root and "<N/A>" not in root, result.stderr
     mpi_runs = launcher == "mpiexec" or backend == "mpi"
     _check(result, ended, fault, run_dir, not mpi_runs, mpich_runs=backend == "mpi")
     _no_rank_left(env)
