@@ -298,6 +298,7 @@ def scenario_compare() -> None:
         dist.barrier(group=group)
     for backend in names:
         failures += _object_and_functional_collectives(groups[backend], backend)
+        failures += _gather_in_place(groups[backend], backend)
     # the Python group's (the compiled one gets the same number from the same call)
     spin = next((g._spin_s for g in groups.values() if hasattr(g, "_spin_s")), None)
     emit(cases=cases, impls=names, failures=failures[:20], failed=len(failures), spin_s=spin)
@@ -316,6 +317,20 @@ def _object_and_functional_collectives(group, backend: str) -> list[str]:
     functional = funcol.all_reduce(torch.full((3,), float(RANK)), "sum", group)
     if not torch.equal(functional.wait(), torch.full((3,), float(sum(range(SIZE))))):
         failures.append(f"{backend} functional all_reduce: {functional}")
+    return failures
+
+
+def _gather_in_place(group, backend: str) -> list[str]:
+    """FSDP's all-gather: the input is this rank's slice of the output (pytorch#85628)."""
+    me, size = dist.get_rank(group), dist.get_world_size(group)
+    failures = []
+    for dtype in (torch.float32, torch.bfloat16):
+        out = torch.zeros(size * 6, dtype=dtype)
+        out[me * 6:(me + 1) * 6] = torch.arange(6) + 100 * me
+        dist.all_gather_into_tensor(out, out[me * 6:(me + 1) * 6], group=group)
+        expected = torch.cat([torch.arange(6) + 100 * r for r in range(size)]).to(dtype)
+        if not torch.equal(out, expected):
+            failures.append(f"{backend} all_gather_into_tensor in place {dtype}: {out.tolist()}")
     return failures
 
 
