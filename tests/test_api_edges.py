@@ -122,6 +122,40 @@ def test_a_save_that_resume_could_not_load_is_refused_on_every_rank(tmp_path):
     assert not directory.exists() or not list(directory.iterdir())
 
 
+FIRST = """\
+import sys, time, launcher
+from launcher.core.errors import LaunchError
+with launcher.distributed("gloo") as job:
+    with job.local_main_first():
+        with open(sys.argv[1], "a") as log:
+            log.write(f"{job.rank} in\\n")
+        if job.local_rank == 0:
+            time.sleep(1)
+            if sys.argv[2] == "fail":
+                raise LaunchError("no dataset here", "download it first")
+        with open(sys.argv[1], "a") as log:
+            log.write(f"{job.rank} out\\n")
+"""
+
+
+@pytest.mark.mpi
+def test_local_main_first_runs_the_body_on_local_rank_0_then_the_others(tmp_path):
+    log = tmp_path / "log"
+    result = run_mpi(2, [script(tmp_path, "first", FIRST), str(log), "pass"], timeout=120)
+    assert result.returncode == 0, result.output
+    assert log.read_text().splitlines() == ["0 in", "0 out", "1 in", "1 out"]
+
+
+@pytest.mark.mpi
+def test_an_error_in_local_rank_0s_turn_stops_every_rank(tmp_path):
+    log = tmp_path / "log"
+    result = run_mpi(2, [script(tmp_path, "first", FIRST), str(log), "fail"], timeout=120)
+    assert result.returncode == EXIT_USER_ERROR, result.output
+    assert "[rank 0] error: no dataset here" in result.stderr, result.output
+    assert "[rank 1] error: rank 0 failed: no dataset here" in result.stderr, result.output
+    assert log.read_text().splitlines() == ["0 in"]
+
+
 COUNTED = """
 import sys
 from launcher.placement import env as placement_env

@@ -95,6 +95,20 @@ class Job:
         """What ``DistributedDataParallel(device_ids=...)`` wants for ``device``."""
         return [self.device.index] if self.device.type == "cuda" else None
 
+    @contextmanager
+    def local_main_first(self) -> Iterator[None]:
+        """Collective: the body runs on each node's local rank 0 first, then on the node's
+        other ranks (a download or a cache made once per node, then read: never N ranks
+        writing one file at once). The others' wait is busy, not a hang; a ``LaunchError``
+        in a local rank 0's body is raised on every rank (``agree``)."""
+        if self.local_rank == 0:
+            with agree():
+                yield
+        else:
+            with agree():
+                pass
+            yield
+
     def wrap(self, module: nn.Module, **options) -> DistributedDataParallel:
         """``module`` on this rank's device in ``DistributedDataParallel(module, device_ids=,
         **options)``. Its gradient all-reduces are in the flight recorder, as those of any DDP
