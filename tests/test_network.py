@@ -77,6 +77,10 @@ def test_the_users_interface_wins():
              "syntax (NCCL_SOCKET_IFNAME may keep it)"),
     ("eht0", "GLOO_SOCKET_IFNAME=eht0: this node has no interface eht0"),
     ("lo,eht0", "GLOO_SOCKET_IFNAME=lo,eht0: this node has no interface eht0"),
+    ("lo, lo", "GLOO_SOCKET_IFNAME='lo, lo': an empty name or spaces around one (gloo splits "
+               "the list on commas alone)"),
+    ("lo,", "GLOO_SOCKET_IFNAME='lo,': an empty name or spaces around one (gloo splits the "
+            "list on commas alone)"),
 ])
 def test_a_users_interface_this_node_lacks_is_one_error_naming_its_interfaces(ifname, message):
     with pytest.raises(LaunchError) as raised:

@@ -56,18 +56,21 @@ def test_ctrl_c_stops_with_130_and_wins_over_a_preemption():
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
-@pytest.mark.parametrize(("preempt", "dump", "named", "other_offered"), [
-    ("USR1", "10", "SIGUSR1", True), ("USR2", "12", "SIGUSR2", True),
-    ("USR1", "15", "SIGTERM", False),
+@pytest.mark.parametrize(("preempt", "dump", "named", "instead"), [
+    ("USR1", "10", "SIGUSR1", "USR2"), ("USR2", "12", "SIGUSR2", "USR1"),
+    ("USR1", "0xa", "SIGUSR1", "USR2"), ("USR1", "012", "SIGUSR1", "USR2"),
+    ("USR1", "15", "SIGTERM", None), ("USR1", "2", "SIGINT", None),
 ])
-def test_nccls_dump_signal_on_a_caught_signal_is_named(preempt, dump, named, other_offered):
+def test_nccls_dump_signal_on_a_caught_signal_is_named(preempt, dump, named, instead):
     line = nccl_clash(preempt, dump)
-    assert line.startswith(f"NCCL_PROXY_DUMP_SIGNAL={dump} is {named}, a signal that tells this "
-                           "job to save and stop: NCCL takes it over")
-    assert ("DDP_PREEMPT_SIGNAL=USR2" in line) == other_offered
+    assert line.startswith(f"NCCL_PROXY_DUMP_SIGNAL={dump} is {named}, a signal that tells "
+                           "this job to save and stop: NCCL takes it over")
+    offered = "or preempt with another (DDP_PREEMPT_SIGNAL="
+    assert (f"{offered}{instead} and sbatch --signal={instead}@120)" in line if instead
+            else offered not in line), line
 
 
 @pytest.mark.parametrize(("preempt", "dump"), [("USR1", None), ("USR1", "12"), ("USR2", "10"),
-                                               ("USR1", "usr1")])
+                                               ("USR1", "usr1"), ("USR1", "010")])
 def test_nccls_dump_signal_elsewhere_is_no_clash(preempt, dump):
     assert nccl_clash(preempt, dump) is None

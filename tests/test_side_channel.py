@@ -183,6 +183,29 @@ def test_ranks_not_met_are_looked_up_over_one_store_connection(server, monkeypat
             channel.close()
 
 
+def test_a_failed_look_up_drops_its_client_and_none_is_made_once_closed(monkeypatch):
+    made = []
+
+    class Flaky:  # the first client's connection resets; the next one answers
+        def __init__(self, *args, **kwargs):
+            made.append(self)
+
+        def get(self, key):
+            if len(made) == 1:
+                raise RuntimeError("Connection reset by peer")
+            return b"10.0.0.9:4000"
+
+    monkeypatch.setattr(side_addresses.dist, "TCPStore", Flaky)
+    book = side_addresses.Addresses(_env(0, 1))
+    with pytest.raises(ChannelGone, match="reset"):
+        book[3]
+    assert book[3] == "10.0.0.9:4000" and len(made) == 2
+    book.close()
+    with pytest.raises(ChannelGone, match="closed"):
+        book[4]
+    assert len(made) == 2
+
+
 def test_a_rank_that_ended_is_gone_and_the_others_go_on(channels):
     channels[2].close()
     with pytest.raises(ChannelGone):

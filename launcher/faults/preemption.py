@@ -36,21 +36,33 @@ _RUNNING, _PREEMPT, _INTERRUPT = 0, 1, 2
 
 
 def nccl_clash(preempt_signal: str, nccl_dump_signal: str | None) -> str | None:
-    """The warning for ``NCCL_PROXY_DUMP_SIGNAL`` (a number) set to the preemption signal or
-    SIGTERM: NCCL installs its own handler for it when its communicator starts, after this
-    watch's, so the scheduler's warning would dump NCCL's proxy state and save nothing."""
-    if nccl_dump_signal is None or not nccl_dump_signal.isdigit():
+    """The warning for ``NCCL_PROXY_DUMP_SIGNAL`` set to a signal this watch catches (the
+    preemption signal, SIGTERM, SIGINT): NCCL installs its own handler for it when its
+    communicator starts, after this watch's, so that signal would dump NCCL's proxy state and
+    stop nothing."""
+    number = _c_integer(nccl_dump_signal or "")
+    caught = (getattr(signal, f"SIG{preempt_signal}"), signal.SIGTERM, signal.SIGINT)
+    clash = next((caught_number for caught_number in caught if caught_number == number), None)
+    if clash is None:
         return None
-    caught = {getattr(signal, f"SIG{preempt_signal}"), signal.SIGTERM}
-    clash = [number for number in caught if number == int(nccl_dump_signal)]
-    if not clash:
+    other = "USR1" if clash == signal.SIGUSR2 else "USR2"
+    instead = "" if clash != caught[0] else (
+        f", or preempt with another (DDP_PREEMPT_SIGNAL={other} and "
+        f"sbatch --signal={other}@120)")
+    return (f"NCCL_PROXY_DUMP_SIGNAL={nccl_dump_signal} is {clash.name}, a signal that tells "
+            "this job to save and stop: NCCL takes it over, and it would stop nothing; unset "
+            f"NCCL_PROXY_DUMP_SIGNAL or give it another signal{instead}")
+
+
+def _c_integer(text: str) -> int | None:
+    """``text`` read as C's ``strtoll(text, NULL, 0)`` reads a whole number (NCCL's
+    parameters): decimal, ``0x`` hexadecimal, a leading ``0`` octal; None for anything else."""
+    text = text.strip()
+    try:
+        return int(text, 8) if len(text) > 1 and text[0] == "0" and text.isdigit() \
+            else int(text, 0)
+    except ValueError:
         return None
-    name = clash[0].name
-    other = "" if clash[0] == signal.SIGTERM else (
-        ", or preempt with another (DDP_PREEMPT_SIGNAL=USR2 and sbatch --signal=USR2@120)")
-    return (f"NCCL_PROXY_DUMP_SIGNAL={nccl_dump_signal} is {name}, a signal that tells this job "
-            "to save and stop: NCCL takes it over, and a preemption would save nothing; unset "
-            f"NCCL_PROXY_DUMP_SIGNAL or give it another signal{other}")
 
 
 class PreemptionWatch:

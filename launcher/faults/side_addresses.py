@@ -37,6 +37,7 @@ class Addresses:
         self._known: dict[int, str] = {}
         self._client: dist.TCPStore | None = None
         self._client_lock = threading.Lock()
+        self._closed = False
 
     def publish(self, store: dist.Store, address: str) -> list[str]:
         """Collective: this rank's address and node into ``store``; every rank's node."""
@@ -71,17 +72,27 @@ class Addresses:
     def __getitem__(self, peer: int) -> str:
         """``peer``'s address: known, else read from the store (which must still be there)."""
         if peer not in self._known:
-            self._known[peer] = _call(self._lookup_client().get, f"{_ROOT}/addr/{peer}").decode()
+            client = self._lookup_client()
+            try:
+                self._known[peer] = _call(client.get, f"{_ROOT}/addr/{peer}").decode()
+            except ChannelGone:
+                with self._client_lock:  # the next look-up tries a client of its own
+                    if self._client is client:
+                        self._client = None
+                raise
         return self._known[peer]
 
     def close(self) -> None:
-        self._client = None
+        with self._client_lock:
+            self._client, self._closed = None, True
 
     def _lookup_client(self) -> dist.TCPStore:
         """A client of the rendezvous store of its own (the rendezvous' may be held by NCCL by
         then): one per rank, made at the first look-up, so that a hang that has every rank
         look up a few peers opens N connections to rank 0, not N times a few."""
         with self._client_lock:
+            if self._closed:
+                raise ChannelGone("the side channel is closed")
             if self._client is None:
                 env = self._env
                 try:

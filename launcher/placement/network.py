@@ -128,8 +128,9 @@ _SHOWN = 8
 
 def _users(ifname: str) -> NetworkChoice:
     """The user's GLOO_SOCKET_IFNAME (--ifname): one name or gloo's comma-separated list, each
-    an interface of this node. Else gloo would fail later with a message that names neither
-    the setting nor the node."""
+    an interface of this node with an address (an alias such as ``eth0:1`` too). The launcher
+    gives it to NCCL, MPI and the side channel as well, so it matters whatever the backend;
+    wrong, gloo would fail later with a message that names neither the setting nor the node."""
     have = [name for _index, name in socket.if_nameindex()]
     shown = ", ".join(have[:_SHOWN]) + (f" and {len(have) - _SHOWN} more" if len(have) > _SHOWN
                                         else "")
@@ -139,8 +140,11 @@ def _users(ifname: str) -> NetworkChoice:
         raise LaunchError(
             f"GLOO_SOCKET_IFNAME={ifname}: gloo takes interface names, not NCCL's "
             f"'{ifname[0]}' syntax (NCCL_SOCKET_IFNAME may keep it)", hint=hint)
-    names = [name.strip() for name in ifname.split(",")]
-    unknown = [name for name in names if name not in have]
+    names = ifname.split(",")
+    if any(not name or name != name.strip() for name in names):
+        raise LaunchError(f"GLOO_SOCKET_IFNAME={ifname!r}: an empty name or spaces around one "
+                          "(gloo splits the list on commas alone)", hint=hint)
+    unknown = [name for name in names if name not in have and interface_address(name) is None]
     if unknown:
         raise LaunchError(f"GLOO_SOCKET_IFNAME={ifname}: this node has no interface "
                           f"{', '.join(unknown)}", hint=hint)
