@@ -5,6 +5,8 @@ and torchrun without a TCPStore bind error."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import re
 import subprocess
 import sys
@@ -15,6 +17,7 @@ import torch
 
 import launcher
 from launcher.api import checkpoint
+from launcher.api import job as job_module
 from launcher.core.errors import EXIT_USER_ERROR
 from launcher.faults.peer_lost import diagnose
 from launcher.group.backends import select_backend
@@ -127,7 +130,7 @@ import sys, time, launcher
 from launcher.core.errors import LaunchError
 with launcher.distributed("gloo") as job:
     for turn in ("pass", "fail"):
-        with job.local_main_first():
+        with job.main_first():
             with open(sys.argv[1], "a") as log:
                 log.write(f"{turn} {job.rank} in\\n")
             if job.local_rank == 0:
@@ -140,7 +143,7 @@ with launcher.distributed("gloo") as job:
 
 
 @pytest.mark.mpi
-def test_local_main_first_runs_local_rank_0_first_and_its_error_stops_every_rank(tmp_path):
+def test_main_first_runs_local_rank_0_first_and_its_error_stops_every_rank(tmp_path):
     log = tmp_path / "log"
     result = run_mpi(2, [script(tmp_path, "first", FIRST), str(log)], timeout=120)
     lines = log.read_text().splitlines()
@@ -150,6 +153,27 @@ def test_local_main_first_runs_local_rank_0_first_and_its_error_stops_every_rank
     assert result.returncode == EXIT_USER_ERROR, result.output
     assert "[rank 0] error: no dataset here" in result.stderr, result.output
     assert "[rank 1] error: rank 0 failed: no dataset here" in result.stderr, result.output
+
+
+@pytest.mark.parametrize(("per_node", "first"), [(True, True), (False, False)])
+def test_main_first_takes_local_rank_0_per_node_else_rank_0(monkeypatch, per_node, first):
+    """Rank 1 as a second node's local rank 0: first per node, not first across nodes (the
+    body inside the agreement, or after it)."""
+    events = []
+
+    @contextlib.contextmanager
+    def agree():
+        events.append("agree")
+        yield
+        events.append("agreed")
+
+    monkeypatch.setattr(job_module, "agree", agree)
+    env = dataclasses.replace(detect_environment({}, hostname="n1"), rank=1, local_rank=0,
+                              world_size=2)
+    job = job_module.Job(env, "gloo", torch.device("cpu"), watch=None)
+    with job.main_first(per_node=per_node):
+        events.append("body")
+    assert events == (["agree", "body", "agreed"] if first else ["agree", "agreed", "body"])
 
 
 COUNTED = """

@@ -96,12 +96,15 @@ class Job:
         return [self.device.index] if self.device.type == "cuda" else None
 
     @contextmanager
-    def local_main_first(self) -> Iterator[None]:
-        """Collective: the body runs on each node's local rank 0 first, then on the node's
-        other ranks (a download or a cache made once per node, then read: never N ranks
-        writing one file at once). The others' wait is busy, not a hang; a ``LaunchError``
-        in a local rank 0's body is raised on every rank (``agree``)."""
-        if self.local_rank == 0:
+    def main_first(self, per_node: bool = True) -> Iterator[None]:
+        """Collective: the body runs first on each node's local rank 0 (``per_node``: a
+        download or a cache on node-local disk) or on rank 0 alone (``per_node=False``: one
+        shared file system), then on every other rank, once all the first ones are done:
+        never ranks writing one file at once. The body must not call collectives (the ranks
+        run it at different times). The others' wait is busy, not a hang, for up to
+        ``heartbeat.BUSY_LIMIT`` times ``timeout_s``; a ``LaunchError`` in a first rank's body
+        is raised on every rank (``agree``)."""
+        if self.local_rank == 0 if per_node else self.is_main:
             with agree():
                 yield
         else:
