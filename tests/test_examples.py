@@ -63,8 +63,6 @@ def command(launcher: str, script: Path, args: list[str]) -> list[str]:
 def environment(request, launcher: str) -> dict[str, str]:
     # the copied script imports `launcher` from wherever it is installed: here, the repository
     env = clean_environ()
-    if launcher == "torchrun":  # its agent's log directory, which it never removes
-        env["TMPDIR"] = str(request.getfixturevalue("tmp_path"))
     if launcher == "srun":
         env.update(request.getfixturevalue("slurm_cluster").env)
         env["PYTHONPATH"] = str(REPO_ROOT)

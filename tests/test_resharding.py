@@ -38,9 +38,7 @@ def train(launcher: str, ranks: int, run_dir: Path, data_dir: Path, *flags: str)
     else:
         done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                                "--nproc-per-node", str(ranks), *args], capture_output=True,
-                              text=True, timeout=TIMEOUT_S, cwd=REPO_ROOT,
-                              # the agent's log directory, which it never removes
-                              env=clean_environ({"TMPDIR": str(run_dir.parent)}))
+                              text=True, timeout=TIMEOUT_S, env=clean_environ(), cwd=REPO_ROOT)
         result = MpiResult(done.returncode, done.stdout, done.stderr)
     assert result.returncode == 0 and not result.timed_out, result.output
     return result
