@@ -61,8 +61,7 @@ def _submit(cluster, tmp_path: Path, launch: Launch, batch: Batch) -> int:
     # node by CMA, which no two real nodes can: a survivor mid-transfer with a killed peer
     # then dies in UCX's fatal error (process_vm_readv: No such process, SIGABRT) before it
     # can name the lost node (1 run in the CI of 2026-11-24). Real nodes fail over TCP/IB.
-    # TMPDIR: torchrun's agent leaves its log directory there
-    env = {"PATH": path, "PYTHONPATH": str(REPO_ROOT), "UCX_TLS": "^cma", "TMPDIR": str(tmp_path)}
+    env = {"PATH": path, "PYTHONPATH": str(REPO_ROOT), "UCX_TLS": "^cma"}
     # The nodes' names map to loopback, so the launcher plans no interface before MPI_Init
     # and UCX puts every interface of the host in its address: with the Docker networks of
     # tests running beside this one, Slurm's pmi2 server misread that long binary value ("mpi/

@@ -259,8 +259,8 @@ def distributed(backend: str = "auto", timeout_s: float = TIMEOUT_S,
         with _witnessed(status_dir, env), PreemptionWatch(env.preempt_signal, env.rank) as watch, \
                 process_group(env, backend, timeout_s,
                               None if status_dir is None else Path(status_dir)) as ctx:
-            clash = nccl_clash(env.preempt_signal, env.nccl_dump_signal)
-            if clash and ctx.backend == "nccl" and env.is_main:
+            if ctx.backend == "nccl" and env.is_main and \
+                    (clash := nccl_clash(env.preempt_signal, env.nccl_dump_signal)):
                 _warn(clash)
             curves = (None if status_dir is None
                       else Curves(Path(status_dir) / "tensorboard", ctx.env.is_main))
