@@ -163,9 +163,10 @@ def test_container_cost_benchmark_compares_venv_and_ch_run(ch_image, tmp_path):
 
 
 def test_imb_takes_turns_with_the_allreduce_benchmark(impi_prefix, tmp_path):
+    """One round for real (IMB's job, then ours); the median over rounds: the next test."""
     out = tmp_path / "imb.json"
     result = subprocess.run(
-        [sys.executable, "-m", "benchmarks.imb", "--prefix", str(impi_prefix), "--rounds", "2",
+        [sys.executable, "-m", "benchmarks.imb", "--prefix", str(impi_prefix), "--rounds", "1",
          "--iterations", "5", "--allreduce-args", "--seconds 0.02 --rounds 1 --busy-calls 20",
          "--json", str(out)],
         cwd=REPO_ROOT, env=clean_environ(), capture_output=True, text=True, timeout=600)
@@ -173,7 +174,7 @@ def test_imb_takes_turns_with_the_allreduce_benchmark(impi_prefix, tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [row["bytes"] for row in rows] == [4 << 10 << 2 * i for i in range(8)]
     for row in rows:
-        assert row["rounds"] == 2 and row["imb_us"] > 0 and row["mpi4py_median_us"] > 0
+        assert row["rounds"] == 1 and row["imb_us"] > 0 and row["mpi4py_median_us"] > 0
     assert "IMB-MPI1 Allreduce (Intel MPI, 2 ranks, one node)" in result.stdout
 
 

@@ -103,9 +103,9 @@ def test_ddp_is_released_before_the_group_so_exit_is_clean(ending, status):
     alive by a DDP reducer in a failure's traceback or in a reference cycle (5 and 7 exits in
     25 for these two programs), or by torch.distributed.nn.functional imported (by DDP) after
     the group existed (once in some hundreds of launcher.train runs). Whether the group is
-    really gone is checked directly: its threads must have ended when process_group returns."""
-    for _ in range(3):
-        result = run_mpi(2, ["-c", DDP_THEN_EXIT, ending], timeout=60)
-        assert result.returncode == status, result.output
-        assert "terminate called" not in result.stderr, result.output
-        assert result.stdout.count("gloo threads left: []") == 2, result.output
+    really gone is checked directly, so one run says it: its threads must have ended when
+    process_group returns (a group kept alive keeps them, every time)."""
+    result = run_mpi(2, ["-c", DDP_THEN_EXIT, ending], timeout=60)
+    assert result.returncode == status, result.output
+    assert "terminate called" not in result.stderr, result.output
+    assert result.stdout.count("gloo threads left: []") == 2, result.output
