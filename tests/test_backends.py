@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from launcher.core.errors import LaunchError
+from launcher.group import debug_level
 from launcher.group.backends import BackendFacts, plan, select_backend
 from launcher.placement.env import detect_environment
 
@@ -79,3 +80,13 @@ def test_nccl_without_cuda_names_the_cpu_backends():
     with pytest.raises(LaunchError) as error:
         plan("nccl", detect_environment({}, hostname="n1"), CPU)
     assert "--backend gloo or mpi" in error.value.hint
+
+
+@pytest.mark.parametrize("backend, lowered, says", [
+    ("mpi4py", True, "running at INFO"), ("mpi_cxx", True, "running at INFO"),
+    ("gloo", False, "not a long job"), ("nccl", False, "not a long job"),
+    ("mpi", False, None)])  # torch's own MPI backend: torch does not wrap it
+def test_detail_debugging_is_lowered_only_where_no_store_is_shared(backend, lowered, says):
+    lower, line = debug_level.note(backend, detail=True)
+    assert lower == lowered and (line is None if says is None else says in line)
+    assert debug_level.note(backend, detail=False) == (False, None)

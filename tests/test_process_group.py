@@ -1,8 +1,9 @@
 """Process-group decisions that need no GPU: which ranks share a GPU (over a real TCPStore),
-and a clean exit after DDP under real mpiexec."""
+a clean exit after DDP, and torch's DETAIL debug level, under real mpiexec."""
 
 from __future__ import annotations
 
+import json
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
@@ -10,6 +11,7 @@ import pytest
 import torch.distributed as dist
 
 from launcher.core.errors import EXIT_USER_ERROR
+from launcher.group import debug_level
 from launcher.group.gpu_sharing import shared_gpu
 from launcher.placement.env import JobEnv
 from launcher.placement.ports import free_port
@@ -109,3 +111,34 @@ def test_ddp_is_released_before_the_group_so_exit_is_clean(ending, status):
     assert result.returncode == status, result.output
     assert "terminate called" not in result.stderr, result.output
     assert result.stdout.count("gloo threads left: []") == 2, result.output
+
+
+# the default group's class, torch's level and what the launcher recorded, after a collective
+DEBUG_DETAIL = """
+import json, sys, torch, torch.distributed as dist, launcher
+from launcher.placement import settings
+with launcher.distributed(backend=sys.argv[1], timeout_s=20) as job:
+    total = torch.ones(2)
+    dist.all_reduce(total)
+    wrapped = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+    print(json.dumps({"sum": total.tolist(), "class": type(wrapped).__name__,
+                      "level": str(dist.get_debug_level()), "set": settings.applied()}))
+"""
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("backend, wrapped, level", [
+    ("gloo", "_ProcessGroupWrapper", "DETAIL"), ("mpi", "Backend", "INFO")])
+def test_detail_debugging_is_said_once_and_never_breaks_the_mpi_backend(backend, wrapped,
+                                                                        level):
+    """At DETAIL torch's checks need a store the ranks share: the mpi backend's group waited
+    20 s for a gloo group that could never meet ("Wait timeout"); now it runs at INFO."""
+    result = run_mpi(2, ["-c", DEBUG_DETAIL, backend], timeout=60,
+                     env={debug_level.VARIABLE: "DETAIL"})
+    assert result.returncode == 0, result.output
+    reports = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert len(reports) == 2 and all(r["sum"] == [2.0, 2.0] for r in reports), result.output
+    assert {(r["class"], r["level"]) for r in reports} == {(wrapped, f"DebugLevel.{level}")}
+    recorded = [s for s in reports[0]["set"] if s["name"] == debug_level.VARIABLE]
+    assert [s["value"] for s in recorded] == ([] if level == "DETAIL" else ["INFO"])
+    assert result.stderr.count(f"warning: {debug_level.VARIABLE}=DETAIL") == 1, result.output

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import sys
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -40,6 +41,7 @@ from launcher.faults import (
     heartbeat,
 )
 from launcher.faults.peer_lost import diagnose, is_communication_failure
+from launcher.group import debug_level
 from launcher.group.backends import MPI4PY, BackendFacts, BackendPlan, plan
 from launcher.group.gpu_sharing import nccl_unless_gpus_are_shared
 from launcher.group.rendezvous import rendezvous_error, start_mpi, start_store
@@ -171,6 +173,9 @@ def _start(env: JobEnv, chosen: BackendPlan, device: torch.device,
 
             choice = mpi_cxx.choose(env.mpi_impl, env.mpi_cxx_dir)
             name, implementation = choice.name, choice.reason
+        line = debug_level.settle(name)
+        if line is not None and env.rank == 0:
+            print(f"warning: {line}", file=sys.stderr, flush=True)
         guard.stage("the rendezvous")
         if chosen.store:
             env, store = start_store(env, name, timeout, world)
