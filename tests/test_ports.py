@@ -50,3 +50,11 @@ def test_a_taken_port_is_passed_over(monkeypatch):
         draws = iter([taken - SLURM_PORTS[0], *range(49)])
         monkeypatch.setattr(ports.random, "randrange", lambda span: next(draws))
         assert SLURM_PORTS[0] <= ports.free_port((65535, 65535)) < SLURM_PORTS[0] + 49
+
+
+def test_a_given_port_inside_the_ephemeral_range_is_warned_of():
+    line = ports.ephemeral_warning(40000, (32768, 60999))
+    assert "MASTER_PORT=40000" in line and "(32768-60999)" in line and "below 32768" in line
+    assert ports.ephemeral_warning(29500, (32768, 60999)) is None
+    assert ports.ephemeral_warning(61000, (32768, 60999)) is None
+    assert ports.ephemeral_warning(32768, (32768, 60999)) is not None  # the range's own ends

@@ -101,6 +101,21 @@ def test_rank0_binds_the_store_before_it_tells_the_port():
     assert all(r["seen"] == ["0", "1", "2"] for r in records.values())
 
 
+@pytest.mark.mpi
+def test_a_given_port_in_the_ephemeral_range_is_warned_of_once():
+    """Enroot's Slurm hook derives MASTER_PORT from the job id, often inside the range
+    (PITFALLS): rank 0 says so before it binds; the job itself goes on."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))  # the kernel's pick: inside the ephemeral range
+        port = probe.getsockname()[1]
+    result = run_mpi(2, ["-c", STORE_FIRST], timeout=90,
+                     env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    assert result.returncode == 0, result.output
+    assert {r["port"] for r in json_objects(result.stdout)} == {port}, result.output
+    assert result.stderr.count(f"warning: MASTER_PORT={port} lies in this node's ephemeral "
+                               "range") == 1, result.output
+
+
 def test_single_process_gets_loopback_and_a_free_port():
     env = resolve_rendezvous(detect_environment({}, hostname="h"))
     assert env.master_addr == "127.0.0.1"

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import ipaddress
 import socket
+import sys
 from dataclasses import replace
 from datetime import timedelta
 
@@ -43,7 +44,7 @@ from launcher.mpi import library as mpi_library
 from launcher.mpi import segments as mpi_segments
 from launcher.placement import network, shm
 from launcher.placement.env import JobEnv, planned_network
-from launcher.placement.ports import free_port
+from launcher.placement.ports import ephemeral_warning, free_port
 
 #: where the ranks of other nodes publish the address they reach the rendezvous host at
 SEEN_KEY = "ddp/network/rendezvous-seen-as"
@@ -156,6 +157,9 @@ def start_store(env: JobEnv, backend: str, timeout: timedelta,
         if hosted.store is not None:
             store = hosted.store
         elif env.rank == 0 and not agent_store_listens(env):
+            # a port the launcher derived lies outside the range: this one was given
+            if (line := ephemeral_warning(env.master_port)) is not None:
+                print(f"warning: {line}", file=sys.stderr, flush=True)
             store = dist.TCPStore(env.master_addr, env.master_port, env.world_size,
                                   is_master=True, timeout=timeout, multi_tenant=True)
         else:

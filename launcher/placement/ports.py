@@ -46,6 +46,19 @@ def slurm_port(job_id: str, step_id: str | None,
     return _nth(windows, (job + _step_stride(span) * step) % span)
 
 
+def ephemeral_warning(port: int, ephemeral: tuple[int, int] | None = None) -> str | None:
+    """The line for a rendezvous port given inside the node's ephemeral range (read from /proc
+    unless given), where rank 0's bind fails whenever an outgoing connection holds the port:
+    at random, so it is said before it happens. None outside the range."""
+    low, high = ephemeral or ephemeral_range()
+    if not low <= port <= high:
+        return None
+    return (f"MASTER_PORT={port} lies in this node's ephemeral range ({low}-{high}), from which "
+            "the kernel gives ports to outgoing connections: when one holds it, rank 0 cannot "
+            f"start the rendezvous (\"address already in use\"); choose a port below {low} "
+            "(29500, say), or unset MASTER_PORT and the launcher picks one")
+
+
 def free_port(ephemeral: tuple[int, int] | None = None, tries: int = 50) -> int:
     """A TCP port nothing holds right now, drawn at random from the ports ``slurm_port`` draws
     from. Not the kernel's pick (bind to port 0): that comes from the ephemeral range, where
