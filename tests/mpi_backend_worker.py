@@ -353,15 +353,39 @@ def train(backend: str, steps: int) -> str:
     return digest.hexdigest()
 
 
+def train_fsdp(steps: int) -> str:
+    """``steps`` of SGD on the same MLP sharded by FSDP2 (``fully_shard``: all_gather_into_tensor
+    forward, reduce_scatter_tensor backward), each rank its own data; the full weights' sha256."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    for layer in (model[0], model[2], model):
+        fully_shard(layer)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    gen = torch.Generator().manual_seed(100 + RANK)
+    for _ in range(steps):
+        x, y = torch.randn(8, 16, generator=gen), torch.randn(8, 4, generator=gen)
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+    full = {name: value.full_tensor() for name, value in model.state_dict().items()}
+    digest = hashlib.sha256()
+    for name in sorted(full):
+        digest.update(full[name].numpy().tobytes())
+    return digest.hexdigest()
+
+
 def scenario_ddp() -> None:
-    """50 DDP steps on the mpi4py default group (argv[2]: steps); prints the weights' hash."""
+    """50 DDP steps on the mpi4py default group (argv[2]: steps), then 5 FSDP2 steps; prints
+    the weights' hashes; the same on gloo."""
     steps = int(sys.argv[2])
     init_default(MPI_NAME)
-    emit(backend="mpi4py", digest=train(MPI_NAME, steps),
+    emit(backend="mpi4py", digest=train(MPI_NAME, steps), fsdp_digest=train_fsdp(5),
          thread_level=MPI.Query_thread())
     dist.destroy_process_group()
     init_default("gloo")
-    emit(backend="gloo", digest=train("gloo", steps))
+    emit(backend="gloo", digest=train("gloo", steps), fsdp_digest=train_fsdp(5))
     dist.destroy_process_group()
 
 

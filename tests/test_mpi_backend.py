@@ -117,7 +117,8 @@ def test_every_op_and_dtype_matches_gloo(ranks, default, algorithm, order):
 @pytest.mark.mpi
 @pytest.mark.parametrize("thread_level", ["multiple", "serialized"])
 def test_ddp_keeps_ranks_bit_identical_and_matches_gloo(thread_level, impl):
-    """50 steps; 'serialized' makes the backend take its lock around every MPI call."""
+    """50 DDP steps, then 5 of FSDP2; 'serialized' makes the backend take its lock around
+    every MPI call."""
     if impl == "cxx" and thread_level == "serialized":
         pytest.skip("the compiled backend needs MPI_THREAD_MULTIPLE (else: the Python one)")
     result = run_worker(2, "ddp", "50", env={"MPI4PY_RC_THREAD_LEVEL": thread_level})
@@ -130,6 +131,8 @@ def test_ddp_keeps_ranks_bit_identical_and_matches_gloo(thread_level, impl):
     assert len({o["digest"] for o in ours}) == 1, ours
     # two ranks: each sum has two terms, so MPI and gloo must agree to the bit
     assert ours[0]["digest"] == gloo[0]["digest"]
+    # FSDP2 the same way: its collectives sharded, every rank's full weights alike
+    assert {o["fsdp_digest"] for o in ours + gloo} == {gloo[0]["fsdp_digest"]}, ours + gloo
 
 
 @pytest.mark.mpi
