@@ -1,16 +1,21 @@
-"""The preemption flag with real signals sent to this process (one rank: no process group)."""
+"""The preemption flag with real signals sent to this process (one rank: no process group),
+and the warning when NCCL would take the signal over."""
 
 from __future__ import annotations
 
 import os
 import signal
 import time
+from contextlib import contextmanager
 
 import pytest
 import torch
 
+from launcher.api import job
 from launcher.core.errors import EXIT_INTERRUPTED, LaunchError
 from launcher.faults.preemption import PreemptionWatch, nccl_clash
+from launcher.group.process_group import DistContext
+from launcher.placement.env import detect_environment
 
 CPU = torch.device("cpu")
 
@@ -74,3 +79,23 @@ def test_nccls_dump_signal_on_a_caught_signal_is_named(preempt, dump, named, ins
                                                ("USR1", "usr1"), ("USR1", "010")])
 def test_nccls_dump_signal_elsewhere_is_no_clash(preempt, dump):
     assert nccl_clash(preempt, dump) is None
+
+
+@pytest.mark.parametrize(("backend", "rank", "warned"), [
+    ("nccl", 0, True), ("gloo", 0, False), ("nccl", 1, False)])
+def test_rank_0_of_an_nccl_job_warns_of_the_clash_at_start_up(monkeypatch, capsys, backend,
+                                                               rank, warned):
+    """The wiring in ``launcher.distributed``: the group itself faked (an nccl group needs a
+    GPU), everything around it real, SIGUSR1 given to NCCL."""
+    @contextmanager
+    def group(env, backend_asked, timeout_s, run_dir):
+        yield DistContext(env=env, backend=backend, device=CPU, implementation="")
+
+    monkeypatch.setattr(job, "process_group", group)
+    env = detect_environment({"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
+                              "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500",
+                              "NCCL_PROXY_DUMP_SIGNAL": "10"}, hostname="h")
+    with job.distributed(backend, env=env) as running:
+        assert running.backend == backend
+    err = capsys.readouterr().err
+    assert ("warning: NCCL_PROXY_DUMP_SIGNAL=10 is SIGUSR1" in err) == warned, err
