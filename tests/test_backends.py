@@ -29,6 +29,7 @@ CPU = BackendFacts(cuda_available=False, native_mpi=False, bundled_mpich=True)
 HOST_MPI = BackendFacts(cuda_available=False, native_mpi=False, bundled_mpich=False)
 NATIVE = BackendFacts(cuda_available=False, native_mpi=True, bundled_mpich=True)
 GPU = BackendFacts(cuda_available=True, native_mpi=False, bundled_mpich=True)
+NATIVE_GPU = BackendFacts(cuda_available=True, native_mpi=True, bundled_mpich=True)
 
 
 # (requested, launch, facts) -> (backend, start_mpi, store, if_gpu_shared)
@@ -55,6 +56,9 @@ GPU = BackendFacts(cuda_available=True, native_mpi=False, bundled_mpich=True)
     ("gloo", HYDRA, GPU, ("gloo", True, True, None)),
     ("mpi", SRUN_PMIX, CPU, ("mpi4py", True, False, None)),
     ("mpi", TORCHRUN, GPU, ("mpi4py", True, False, None)),
+    ("mpi", HYDRA, NATIVE, ("mpi", True, False, None)),
+    # torch's own MPI backend refuses CUDA tensors on a MPI that is not CUDA-aware
+    ("mpi", HYDRA, NATIVE_GPU, ("mpi4py", True, False, None)),
 ])
 def test_the_plan_follows_the_launch_and_the_facts(requested, environ, facts, expected):
     chosen = plan(requested, detect_environment(environ, hostname="n1"), facts)
@@ -64,6 +68,8 @@ def test_the_plan_follows_the_launch_and_the_facts(requested, environ, facts, ex
 
 def test_the_reason_says_what_auto_stood_for():
     env = detect_environment(HYDRA, hostname="n1")
+    assert "not torch's own MPI backend" in plan("mpi", env, NATIVE_GPU).reason
+    assert "not torch's own" not in plan("mpi", env, NATIVE).reason
     assert "MPI was measured faster" in plan("auto", env, CPU).reason
     assert "--backend gloo" in plan("gloo", env, CPU).reason
     assert "agreed on over MPI" in plan("gloo", env, CPU).reason

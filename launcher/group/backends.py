@@ -15,9 +15,11 @@ give:
 - ``nccl``, ``gloo``: PyTorch's own, rendezvous through a TCP store at ``MASTER_ADDR:MASTER_PORT``.
   MPI starts for them only where the rendezvous needs it: under an MPI launcher, whose ranks
   agree on the address, port and node list over ``MPI.COMM_WORLD`` (``launcher.group.rendezvous``);
-- ``mpi``: PyTorch's native MPI backend when the wheel has one, else the mpi4py backend of
-  ``launcher.mpi.backend`` (stock PyPI wheels have none). Neither needs an address or a port:
-  MPI itself is the rendezvous.
+- ``mpi``: PyTorch's native MPI backend when the wheel has one and the ranks run on CPU, else
+  the launcher's own (``launcher.mpi.backend``; stock PyPI wheels have no native one). On GPUs
+  the native one refuses CUDA tensors unless its MPI is CUDA-aware, which the image's MPICH is
+  not, and has no bf16 or fp16 (pytorch#139178); the launcher's stages them through host
+  memory. Neither needs an address or a port: MPI itself is the rendezvous.
 """
 
 from __future__ import annotations
@@ -79,6 +81,8 @@ def plan(requested: str, env: JobEnv, facts: BackendFacts) -> BackendPlan:
     resolved, why = resolve_auto(requested, facts.cuda_available, mpi_measured_faster(env, facts))
     name = select_backend(resolved, facts.cuda_available, facts.native_mpi)
     if resolved == "mpi":
+        if facts.native_mpi and name == MPI4PY:
+            why += "; not torch's own MPI backend, which refuses CUDA tensors on this MPI"
         return BackendPlan(name, start_mpi=True, store=False, if_gpu_shared=None,
                            reason=f"{why}; MPI is the rendezvous")
     over_mpi = rendezvous_over_mpi(env)
@@ -116,6 +120,6 @@ def select_backend(requested: str, cuda_available: bool, native_mpi: bool) -> st
             "in a script of your own), or run with GPUs (--nv for apptainer, --gpus all for "
             "docker)",
         )
-    if requested == "mpi" and not native_mpi:
+    if requested == "mpi" and (not native_mpi or cuda_available):
         return MPI4PY
     return requested
