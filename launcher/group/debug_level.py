@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
+from launcher.group.backends import MPI4PY
+from launcher.mpi.cxx import BACKEND_NAME as MPI_CXX
 from launcher.placement import settings
 
 VARIABLE = "TORCH_DISTRIBUTED_DEBUG"
 #: the backends that rendezvous through MPI, with no store the ranks share
-WITHOUT_STORE = frozenset({"mpi4py", "mpi_cxx"})
+WITHOUT_STORE = frozenset({MPI4PY, MPI_CXX})
 
 
 def note(backend: str, detail: bool) -> tuple[bool, str | None]:
