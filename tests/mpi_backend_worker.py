@@ -334,19 +334,24 @@ def _gather_in_place(group, backend: str) -> list[str]:
     return failures
 
 
+def sgd(model: torch.nn.Module, steps: int) -> None:
+    """``steps`` of SGD with momentum on MSE, each rank its own random data."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    gen = torch.Generator().manual_seed(100 + RANK)
+    for _ in range(steps):
+        x, y = torch.randn(8, 16, generator=gen), torch.randn(8, 4, generator=gen)
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+
+
 def train(backend: str, steps: int) -> str:
     """``steps`` of DDP SGD on a small MLP, each rank its own data; the parameters' sha256."""
     torch.manual_seed(RANK)  # different initial weights: DDP must broadcast rank 0's
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
     model.register_buffer("step", torch.zeros((), dtype=torch.int64))
     ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.001)
-    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
-    gen = torch.Generator().manual_seed(100 + RANK)
-    for _ in range(steps):
-        x, y = torch.randn(8, 16, generator=gen), torch.randn(8, 4, generator=gen)
-        optimizer.zero_grad()
-        torch.nn.functional.mse_loss(ddp(x), y).backward()
-        optimizer.step()
+    sgd(ddp, steps)
     digest = hashlib.sha256()
     for p in model.parameters():
         digest.update(p.detach().numpy().tobytes())
@@ -362,13 +367,7 @@ def train_fsdp(steps: int) -> str:
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
     for layer in (model[0], model[2], model):
         fully_shard(layer)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    gen = torch.Generator().manual_seed(100 + RANK)
-    for _ in range(steps):
-        x, y = torch.randn(8, 16, generator=gen), torch.randn(8, 4, generator=gen)
-        optimizer.zero_grad()
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        optimizer.step()
+    sgd(model, steps)
     full = {name: value.full_tensor() for name, value in model.state_dict().items()}
     digest = hashlib.sha256()
     for name in sorted(full):

@@ -104,7 +104,8 @@ class Job:
         run it at different times). The others' wait is busy, not a hang, for up to
         ``heartbeat.BUSY_LIMIT`` times ``timeout_s``; a ``LaunchError`` in a first rank's body
         is raised on every rank (``agree``)."""
-        if self.local_rank == 0 if per_node else self.is_main:
+        first = self.local_rank == 0 if per_node else self.is_main
+        if first:
             with agree():
                 yield
         else:
