@@ -3,6 +3,8 @@ libraries in temporary directories. The real launches are in tests/test_host_lau
 
 from __future__ import annotations
 
+import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,7 @@ from launcher.mpi import cma
 from launcher.mpi import library as mpi_library
 from launcher.placement import settings
 from launcher.placement.env import detect_environment, launch_pmi
+from tests.fixtures.mpi import run_mpi
 
 SLURM_STEP = {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_STEP_ID": "0", "SLURM_JOB_ID": "7",
               "SLURM_LOCALID": "1", "SLURM_STEP_NODELIST": "n1", "SLURM_NODEID": "0",
@@ -39,6 +42,15 @@ def test_the_pmi_is_read_from_the_servers_variables(environ, pmi):
 def no_earlier_settings(monkeypatch):
     """What earlier tests set is not this test's: the record starts empty."""
     monkeypatch.setattr(settings, "_applied", {})
+
+
+#: the real reader of /proc/self/maps: the tests' process may have loaded an MPI itself
+READ_MAPPED = mpi_library.mapped
+
+
+@pytest.fixture(autouse=True)
+def nothing_loaded_yet(monkeypatch) -> None:
+    monkeypatch.setattr(mpi_library, "mapped", lambda maps=None: [])
 
 
 @pytest.fixture(autouse=True)
@@ -304,3 +316,89 @@ def test_a_venv_without_open_mpi_under_pmix_is_refused_with_the_ways_out(monkeyp
     for way_out in ("--mpi=pmi2", "image", "MPI4PY_LIBMPI"):
         assert way_out in error.value.hint
     assert node_decision == []  # no probe of the node's peers for a launch that is refused
+
+
+MAPS = """\
+7f10 r-xp 00000000 08:01 123 /opt/ompi/lib/libmpi.so.40.30.1
+7f20 r--p 00200000 08:01 123 /opt/ompi/lib/libmpi.so.40.30.1
+7f30 r-xp 00000000 08:01 124 /opt/ompi/lib/libmpi_mpifh.so.40.30.0
+7f40 r-xp 00000000 08:01 125 /opt/ompi/lib/libmpi_cxx.so.40
+7f50 r-xp 00000000 08:01 126 /venv/lib/libmpi.so.12
+7f60 rw-p 00000000 00:00 0
+"""
+
+
+def test_the_loaded_libmpis_are_read_in_load_order_without_their_bindings():
+    assert READ_MAPPED(MAPS) == ["/opt/ompi/lib/libmpi.so.40.30.1", "/venv/lib/libmpi.so.12"]
+
+
+def test_a_libmpi_loaded_already_wins_over_every_other_rule(tmp_path, bundled):
+    """A torch built with MPI loads its libmpi as it is imported, and mpi4py takes a loaded
+    one before any other: the choice says so."""
+    host = _library(tmp_path / "host" / "lib", "libmpi.so.12")
+    for environ in ({**HYDRA, "LD_LIBRARY_PATH": str(host.parent)},
+                    {**HYDRA, "MPI4PY_LIBMPI": "/site/libmpi.so"}):
+        choice = mpi_library.choose(detect_environment(environ, hostname="n1"), bundled,
+                                    loaded=["/opt/ompi/lib/libmpi.so.40.30.1"])
+        assert (choice.abi, choice.path) == ("openmpi", "/opt/ompi/lib/libmpi.so.40.30.1")
+        assert "already loaded" in choice.reason
+    # a bundled one keeps its own name: its single-copy decision and PMI rules still apply
+    env = detect_environment(OPENMPI, hostname="n1")
+    choice = mpi_library.choose(env, bundled, loaded=[str(bundled[0].resolve())])
+    assert (choice.abi, choice.path) == ("mpich", str(bundled[0]))
+
+
+def test_a_libmpi_loaded_after_the_choice_is_chosen_again(monkeypatch, bundled):
+    """In the image the choice is made as Python starts, before torch is imported."""
+    monkeypatch.setattr(mpi_library, "_loaded", None)
+    monkeypatch.setattr(mpi_library, "BUNDLED_MPICH", bundled[0])
+    monkeypatch.setattr(mpi_library, "BUNDLED_OPENMPI", bundled[1])
+    monkeypatch.delitem(mpi_library.sys.modules, "mpi4py.MPI", raising=False)
+    environ: dict[str, str] = {}
+    monkeypatch.setattr(settings.os, "environ", environ)
+    env = detect_environment(OPENMPI, hostname="n1")
+    assert mpi_library.load(env).path == str(bundled[1])
+    monkeypatch.setattr(mpi_library, "mapped", lambda: [str(bundled[1].resolve())])
+    assert mpi_library.load(env).path == str(bundled[1])  # the same library: kept
+    monkeypatch.setattr(mpi_library, "mapped", lambda: [str(bundled[0].resolve())])
+    with pytest.raises(LaunchError) as error:  # MPICH under PMIx: explained, not aborted
+        mpi_library.ensure_startable(env)
+    assert "does not speak" in error.value.message
+    assert environ["MPI4PY_LIBMPI"] == str(bundled[0])
+
+
+#: a rank whose process loaded a libmpi of its own after the image's start-up choice, as a
+#: torch built with MPI does
+PRELOADED = """\
+import ctypes, sys
+import launcher.mpi.library
+launcher.mpi.library.at_startup()  # the image's .pth line, as Python starts
+ctypes.CDLL(sys.argv[1], mode=ctypes.RTLD_GLOBAL)  # as a torch built with MPI is imported
+import torch, torch.distributed as dist
+import launcher
+from launcher.mpi import library
+with launcher.distributed(backend="mpi", timeout_s=60) as job:
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    print(f"rank {job.env.rank}: sum {t.item():.0f}, libmpis {library.mapped()}, "
+          f"chosen {library.chosen(job.env).path}", flush=True)
+"""
+
+
+@pytest.mark.mpi
+def test_ranks_run_on_and_name_the_libmpi_their_process_loaded(tmp_path):
+    """A copy of the venv's MPICH at another path stands for torch's own: both ranks run on
+    it alone, and the launcher's choice (what launcher.check and the rules read) names it;
+    before, it named the venv's library that mpi4py had passed over."""
+    venv_lib = Path(sys.prefix) / "lib"
+    if not (venv_lib / "libmpi.so.12").exists():
+        pytest.skip("no MPICH wheel in the venv")
+    own = tmp_path / "lib" / "libmpi.so.12"
+    own.parent.mkdir()
+    shutil.copy(venv_lib / "libmpi.so.12", own)
+    (own.parent / "mpich").symlink_to(venv_lib / "mpich")  # its RUNPATH: $ORIGIN/mpich
+    result = run_mpi(2, ["-c", PRELOADED, str(own)], timeout=120)
+    assert result.returncode == 0, result.output
+    for rank in (0, 1):
+        assert f"rank {rank}: sum 2, libmpis {[str(own)]}, chosen {own}" in result.stdout, \
+            result.output

@@ -25,7 +25,6 @@ import argparse
 import hashlib
 import importlib.util
 import json
-import re
 import shutil
 import sys
 from dataclasses import dataclass
@@ -103,9 +102,10 @@ def build(mpi_prefix: Path, directory: str | None = None, quiet: bool = True) ->
 
 def loaded_libmpi() -> str | None:
     """The path of the libmpi this process has mapped (mpi4py's), if any."""
-    with open("/proc/self/maps") as maps:
-        paths = sorted(set(re.findall(r"/\S*/libmpi[^/\s]*\.so[.\d]*", maps.read())))
-    return paths[0] if paths else None
+    from launcher.mpi.library import mapped  # here: the build stage runs this file alone
+
+    found = mapped()
+    return found[0] if found else None
 
 
 def _why_not_built(directory: str | None) -> str:

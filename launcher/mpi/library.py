@@ -7,14 +7,18 @@ alone, loads the first libmpi it finds: the venv's ``lib/`` before
 only: under ``srun --mpi=pmix`` or Open MPI's ``mpirun`` it aborts, and a host MPI bound in
 and put on ``LD_LIBRARY_PATH`` would be ignored. ``choose`` decides instead, in this order:
 
-1. ``MPI4PY_LIBMPI`` or ``MPI4PY_MPIABI`` set: the user's choice, left to mpi4py.
-2. A libmpi in a directory on ``LD_LIBRARY_PATH`` (not one of the bundled ones): the host's
+1. A libmpi this process has loaded already: a torch built with MPI links one and loads it as
+   torch is imported, and mpi4py takes a loaded one before any other (two MPI libraries in
+   one process would crash). A choice made before it was loaded (the image's, as Python
+   starts) is made again.
+2. ``MPI4PY_LIBMPI`` or ``MPI4PY_MPIABI`` set: the user's choice, left to mpi4py.
+3. A libmpi in a directory on ``LD_LIBRARY_PATH`` (not one of the bundled ones): the host's
    MPI bound into the container. The first directory that has one wins, as with the dynamic
    linker; ``libmpi.so.12`` (MPICH family: Intel MPI, MVAPICH, Cray MPICH) before
    ``libmpi.so.40`` (Open MPI, HPC-X) before ``libmpi.so`` before the MPI-5 standard ABI's
    ``libmpi_abi.so`` (MPICH 4.2+ builds it beside its own ABI, which is preferred as the
    better-trodden path).
-3. The process-management interface the launcher offers (``JobEnv.pmi``): ``pmix`` (srun
+4. The process-management interface the launcher offers (``JobEnv.pmi``): ``pmix`` (srun
    --mpi=pmix, Open MPI's mpirun) takes the bundled Open MPI; ``pmi`` (Hydra's mpiexec, srun
    --mpi=pmi2, Cray PMI) and no PMI at all take the bundled MPICH.
 
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,6 +59,9 @@ SMSC_VARIABLE = "OMPI_MCA_smsc"
 SINGLE_COPY = {"mpich": (CMA_VARIABLE, "1", "0"), "openmpi": (SMSC_VARIABLE, "cma", "^cma")}
 #: MPICH's algorithm for the non-blocking all_reduce, the backend's (launcher/mpi/backend.py)
 IALLREDUCE_VARIABLE = "MPIR_CVAR_IALLREDUCE_INTRA_ALGORITHM"
+#: a libmpi among a process's mapped files (/proc/self/maps, real file names such as
+#: libmpi.so.40.30.1): MPI's own library, not its bindings beside it (libmpi_cxx, libmpifort)
+_MAPPED = re.compile(r"(/\S*/lib(?:mpi|mpich|mpi_abi)\.so(?:\.\d+)*)$", re.MULTILINE)
 
 
 @dataclass(frozen=True)
@@ -76,11 +84,35 @@ def _in_directory(directory: Path) -> tuple[str, Path] | None:
     return None
 
 
-def choose(env: JobEnv, bundled: tuple[Path, ...] | None = None) -> MpiChoice:
+def mapped(maps: str | None = None) -> list[str]:
+    """The libmpis this process has loaded, in the order it loaded them (``maps``: the text of
+    /proc/self/maps, read when not given)."""
+    if maps is None:
+        maps = Path("/proc/self/maps").read_text()
+    return list(dict.fromkeys(_MAPPED.findall(maps)))
+
+
+def _abi_of(name: str) -> str:
+    """The ABI of a library file's name, its version suffixes past the soname ignored."""
+    for soname, abi in ABI_OF_NAME.items():
+        if name == soname or name.startswith(soname + "."):
+            return abi
+    return ""
+
+
+def choose(env: JobEnv, bundled: tuple[Path, ...] | None = None,
+           loaded: list[str] | None = None) -> MpiChoice:
     """The library for ``env`` (see the module docstring); reads only the directories named.
-    ``bundled``: the project's own libmpis (default: the image's MPICH and Open MPI)."""
+    ``bundled``: the project's own libmpis (default: the image's MPICH and Open MPI);
+    ``loaded``: the libmpis this process has loaded (default: ``mapped()``)."""
     if bundled is None:
         bundled = (BUNDLED_MPICH, BUNDLED_OPENMPI)
+    for path in mapped() if loaded is None else loaded:
+        # a bundled one by its own name, so that it is still known as bundled
+        named = next((str(b) for b in bundled if b.exists() and b.resolve() == Path(path)),
+                     path)
+        return MpiChoice(_abi_of(Path(path).name), named, "already loaded in this process "
+                         "(a torch built with MPI links it), which mpi4py takes first")
     if env.mpi4py_request:
         return MpiChoice("", "", f"{env.mpi4py_request} (set by the user)")
     bundled_dirs = {path.parent for path in bundled}
@@ -122,6 +154,9 @@ def chosen(env: JobEnv) -> MpiChoice:
 def load(env: JobEnv) -> MpiChoice:
     """Point mpi4py at the chosen library, once, before it is imported; returns the choice."""
     global _loaded
+    if _loaded is not None and "mpi4py.MPI" not in sys.modules and \
+            _since(_loaded, mapped()):
+        _loaded = None  # mpi4py will take the library loaded since: choose it, say it
     if _loaded is None:
         _loaded = choose(env)
         if "mpi4py.MPI" not in sys.modules:
@@ -176,6 +211,11 @@ def single_copy_decision() -> tuple[bool, str] | None:
             if setting["name"] == variable and setting["source"] == "launcher":
                 return setting["value"] == on, setting["why"]
     return None
+
+
+def _since(choice: MpiChoice, loaded: list[str]) -> bool:
+    """Whether this process loaded a libmpi other than ``choice`` after it was made."""
+    return bool(loaded) and (not choice.path or Path(choice.path).resolve() != Path(loaded[0]))
 
 
 def _power_of_two(n: int) -> bool:
