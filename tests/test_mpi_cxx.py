@@ -30,7 +30,7 @@ needs_build = pytest.mark.skipif(not mpi_cxx.built_path().exists(),
 def test_both_implementations_poll_yield_and_sleep_alike():
     """The Python wait (launcher/mpi/waiting.py) copies the compiled one's constants: a change
     to either without the other would make the two backends load a shared node differently."""
-    source = (REPO_ROOT / "launcher" / "mpi" / "cxx.cpp").read_text()
+    source = "".join(path.read_text() for path in mpi_cxx.SOURCES)
 
     def constant(name: str) -> str:
         return re.search(rf"constexpr (?:int|auto) {name} = (.+);", source).group(1)
@@ -117,7 +117,13 @@ def test_a_build_that_fails_leaves_the_other_built(tmp_path):
 def test_the_file_alone_builds_as_the_images_build_stage_does(tmp_path):
     """docker/Dockerfile copies cxx.py, ucx_address.py, ext_files.py and the C++ alone and runs
     the file: no project to read variables with, so the defaults, whatever is set."""
-    for name in ("cxx.py", "cxx.cpp", "ucx_address.py", "ucx_address.cpp", "ext_files.py"):
+    names = ["cxx.py", *(path.name for path in mpi_cxx.SOURCES), "ucx_address.py",
+             "ucx_address.cpp", "ext_files.py"]
+    copied = re.search(r"^COPY (launcher/mpi/cxx\.py[^\n]*(?:\\\n[^\n]*)*) /tmp/mpi-cxx/$",
+                       (REPO_ROOT / "docker" / "Dockerfile").read_text(), re.MULTILINE)
+    assert sorted(copied.group(1).replace("\\\n", " ").split()) == \
+        sorted(f"launcher/mpi/{name}" for name in names)
+    for name in names:
         (tmp_path / name).write_bytes((REPO_ROOT / "launcher" / "mpi" / name).read_bytes())
     environ = clean_environ({"DDP_MPI_CXX_DIR": str(tmp_path / "elsewhere")})
     result = subprocess.run([sys.executable, str(tmp_path / "cxx.py")], capture_output=True,

@@ -67,6 +67,15 @@ def node_decision(monkeypatch) -> list[str]:
     return asked
 
 
+@pytest.fixture
+def unloaded(monkeypatch, bundled) -> None:
+    """No library loaded yet in this process as the module sees it, ``bundled`` the image's."""
+    monkeypatch.setattr(mpi_library, "_loaded", None)
+    monkeypatch.setattr(mpi_library, "BUNDLED_MPICH", bundled[0])
+    monkeypatch.setattr(mpi_library, "BUNDLED_OPENMPI", bundled[1])
+    monkeypatch.delitem(mpi_library.sys.modules, "mpi4py.MPI", raising=False)
+
+
 def _library(directory: Path, name: str) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     (directory / name).write_bytes(b"")
@@ -139,11 +148,7 @@ def test_a_standard_abi_library_without_the_extension_is_an_error_with_a_hint(mo
     mpi_library._offer_standard_abi(mpi_library.MpiChoice("mpich", "/x/libmpi.so.12", "test"))
 
 
-def test_load_points_mpi4py_at_the_choice_once(monkeypatch, bundled):
-    monkeypatch.setattr(mpi_library, "_loaded", None)
-    monkeypatch.setattr(mpi_library, "BUNDLED_MPICH", bundled[0])
-    monkeypatch.setattr(mpi_library, "BUNDLED_OPENMPI", bundled[1])
-    monkeypatch.delitem(mpi_library.sys.modules, "mpi4py.MPI", raising=False)
+def test_load_points_mpi4py_at_the_choice_once(monkeypatch, bundled, unloaded):
     environ: dict[str, str] = {}  # what load() writes, kept from the rest of the session
     monkeypatch.setattr(settings.os, "environ", environ)
     env = detect_environment(HYDRA, hostname="n1")
@@ -156,14 +161,10 @@ def test_load_points_mpi4py_at_the_choice_once(monkeypatch, bundled):
     assert mpi_library.load(detect_environment(OPENMPI, hostname="n1")).path == str(bundled[0])
 
 
-def test_the_choice_outlives_the_variable_load_writes(monkeypatch, bundled):
+def test_the_choice_outlives_the_variable_load_writes(monkeypatch, bundled, unloaded):
     """In the image, the .pth line loads before any entry point: the JobEnv the entry point
     detects then carries load's own MPI4PY_LIBMPI, which must not read as the user's request
     (it turned --backend auto into gloo across the compose cluster's nodes)."""
-    monkeypatch.setattr(mpi_library, "_loaded", None)
-    monkeypatch.setattr(mpi_library, "BUNDLED_MPICH", bundled[0])
-    monkeypatch.setattr(mpi_library, "BUNDLED_OPENMPI", bundled[1])
-    monkeypatch.delitem(mpi_library.sys.modules, "mpi4py.MPI", raising=False)
     environ: dict[str, str] = {}
     monkeypatch.setattr(settings.os, "environ", environ)
     assert mpi_library.chosen(detect_environment(HYDRA, hostname="n1")).bundled_mpich
@@ -201,12 +202,8 @@ def test_pmix_with_the_bundled_mpich_is_refused_before_it_aborts(monkeypatch):
     (OPENMPI, True, {mpi_library.SMSC_VARIABLE: "cma"}),
     (OPENMPI, False, {mpi_library.SMSC_VARIABLE: "^cma"}),
 ])
-def test_the_nodes_decision_switches_the_bundled_mpis_single_copy(monkeypatch, bundled, capsys,
+def test_the_nodes_decision_switches_the_bundled_mpis_single_copy(monkeypatch, unloaded, capsys,
                                                                    environ, on, expected):
-    monkeypatch.setattr(mpi_library, "_loaded", None)
-    monkeypatch.setattr(mpi_library, "BUNDLED_MPICH", bundled[0])
-    monkeypatch.setattr(mpi_library, "BUNDLED_OPENMPI", bundled[1])
-    monkeypatch.delitem(mpi_library.sys.modules, "mpi4py.MPI", raising=False)
     monkeypatch.setattr(mpi_library.cma, "node_decision", lambda env: cma.Decision(on, "why"))
     written: dict[str, str] = {}
     monkeypatch.setattr(settings.os, "environ", written)
@@ -233,12 +230,8 @@ def test_local_rank_0_says_the_decision_in_one_line(monkeypatch, bundled, capsys
     {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
      "MASTER_ADDR": "n1", "MASTER_PORT": "29500"},  # torchrun: no MPI
 ])
-def test_no_probe_where_there_is_nothing_to_decide(monkeypatch, bundled, node_decision,
+def test_no_probe_where_there_is_nothing_to_decide(monkeypatch, bundled, unloaded, node_decision,
                                                    environ):
-    monkeypatch.setattr(mpi_library, "_loaded", None)
-    monkeypatch.setattr(mpi_library, "BUNDLED_MPICH", bundled[0])
-    monkeypatch.setattr(mpi_library, "BUNDLED_OPENMPI", bundled[1])
-    monkeypatch.delitem(mpi_library.sys.modules, "mpi4py.MPI", raising=False)
     written = {k: v for k, v in environ.items() if k.endswith(("_ENABLE", "_smsc"))}
     monkeypatch.setattr(settings.os, "environ", written)
     mpi_library.load(detect_environment(environ, hostname="n1"))
@@ -348,12 +341,8 @@ def test_a_libmpi_loaded_already_wins_over_every_other_rule(tmp_path, bundled):
     assert (choice.abi, choice.path) == ("mpich", str(bundled[0]))
 
 
-def test_a_libmpi_loaded_after_the_choice_is_chosen_again(monkeypatch, bundled):
+def test_a_libmpi_loaded_after_the_choice_is_chosen_again(monkeypatch, bundled, unloaded):
     """In the image the choice is made as Python starts, before torch is imported."""
-    monkeypatch.setattr(mpi_library, "_loaded", None)
-    monkeypatch.setattr(mpi_library, "BUNDLED_MPICH", bundled[0])
-    monkeypatch.setattr(mpi_library, "BUNDLED_OPENMPI", bundled[1])
-    monkeypatch.delitem(mpi_library.sys.modules, "mpi4py.MPI", raising=False)
     environ: dict[str, str] = {}
     monkeypatch.setattr(settings.os, "environ", environ)
     env = detect_environment(OPENMPI, hostname="n1")

@@ -3,7 +3,8 @@
 Which libmpi a rank loads (``library``, also run at interpreter start-up by the image's
 ``.pth`` line), whether single-copy transfers work (``cma``), the torch.distributed backend on
 mpi4py (``backend``: its set-up; ``operations``: the group, its ops in ``reductions`` and
-``movement``; ``buffers``, ``waiting``), the same compiled (``cxx``, its C++ in ``cxx.cpp``),
+``movement``; ``buffers``, ``waiting``), the same compiled (``cxx``, its C++ in ``cxx.cpp`` and
+the parts it includes: ``cxx_types.h``, ``cxx_work.h``, ``cxx_queue.h``),
 MPICH's shared-memory segments, and its UCX address padded for Slurm's pmi2 (``ucx_address``).
 
 May import: ``launcher.core``, ``launcher.placement``, ``launcher.faults``.

@@ -3,386 +3,29 @@
 // communicator and checks the world and the transport, as for its own Python backend).
 //
 // Collectives go into a FIFO per group and a progress thread starts them, non-blocking, one
-// after another (every rank then starts them in the same order, as MPI requires) and completes
-// their futures, so DDP's buckets are reduced while backward goes on. A synchronous call
-// (async_op=False) on an idle group runs in the calling thread instead: no thread hand-off for
-// the latency-bound small messages. Point-to-point ops start in the calling thread and are
-// driven by Work::wait. Completion is found with MPI_Test; the GIL is never held while MPI
-// works (torch's bindings release it; only the timeout callback takes it).
+// after another (every rank then starts them in the same order, as MPI requires;
+// cxx_queue.h) and completes their futures, so DDP's buckets are reduced while backward goes
+// on. A synchronous call (async_op=False) on an idle group runs in the calling thread instead:
+// no thread hand-off for the latency-bound small messages. Point-to-point ops start in the
+// calling thread and are driven by Work::wait. Completion is found with MPI_Test; the GIL is
+// never held while MPI works (torch's bindings release it; only the timeout callback takes it).
 //
-// Past the group's timeout the Python callback decides (launcher.faults.heartbeat.overdue): it raises
-// PeerLost naming the silent ranks, or returns while every peer still beats, and the wait goes
-// on. A raised error fails the op, and every op after it on this group, with that exception.
+// Past the group's timeout the Python callback decides (launcher.faults.heartbeat.overdue): it
+// raises PeerLost naming the silent ranks, or returns while every peer still beats, and the
+// wait goes on. A raised error fails the op, and every op after it on this group, with that
+// exception.
+//
+// The parts, each included once into this translation unit: cxx_types.h (errors, dtypes and
+// reductions, tensors as MPI buffers), cxx_work.h (ops, works, polling), cxx_queue.h (the FIFO
+// and its progress thread); here the backend's operations and the module.
 
-#include <torch/extension.h>
+#include "cxx_queue.h"
+
 #include <torch/csrc/distributed/c10d/Backend.hpp>
-#include <torch/csrc/distributed/c10d/Work.hpp>
-
-#include <mpi.h>
-#include <sched.h>
-
-#include <chrono>
-#include <condition_variable>
-#include <deque>
-#include <functional>
-#include <limits>
-#include <mutex>
-#include <optional>
-#include <thread>
-
-namespace py = pybind11;
 
 namespace {
 
-using at::Tensor;
-using c10d::ReduceOp;
-using Clock = std::chrono::steady_clock;
-
-constexpr const char* kName = "mpi_cxx";
-// polls of a request before each further poll gives up the CPU (MPICH spins about as long)
-constexpr int kPollsBeforeYield = 50;
-// a wait longer than its group's spin (waiting.spin_s: 10 ms, none where a node's ranks
-// outnumber its CPUs) sleeps between polls, at most kMaxPause, not to burn a shared core
-constexpr auto kMaxPause = std::chrono::microseconds(200);
-// how often the timeout callback is asked again while every peer still beats
-constexpr auto kOverdueEvery = std::chrono::seconds(1);
-
 int64_t g_slice_bytes = 4 << 20;  // all_reduce works through larger buffers in slices
-bool g_native_half = false;       // the library reduces MPIX_C_FLOAT16 / MPIX_BFLOAT16
-
-[[noreturn]] void raiseLaunchError(const std::string& message, const std::string& hint) {
-  py::gil_scoped_acquire gil;
-  auto error = py::module_::import("launcher.core.errors").attr("LaunchError")(message, hint);
-  PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(error.ptr())), error.ptr());
-  throw py::error_already_set();
-}
-
-void check(int rc, const std::string& what) {
-  if (rc == MPI_SUCCESS) return;
-  char text[MPI_MAX_ERROR_STRING];
-  int len = 0;
-  MPI_Error_string(rc, text, &len);
-  TORCH_CHECK(false, kName, ": MPI failed in ", what, ": ", std::string(text, len));
-}
-
-int count(int64_t n, const char* op) {
-  TORCH_CHECK(n <= std::numeric_limits<int>::max(), kName, ": ", op, " of ", n,
-              " elements is more than an MPI count holds");
-  return static_cast<int>(n);
-}
-
-// -- dtypes and reductions --------------------------------------------------------------------
-
-bool isHalf(at::ScalarType t) { return t == at::kHalf || t == at::kBFloat16; }
-
-// as Python writes it, for errors (torch's own table is not exported to extensions)
-std::string dtypeName(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat: return "torch.float32";
-    case at::kDouble: return "torch.float64";
-    case at::kHalf: return "torch.float16";
-    case at::kBFloat16: return "torch.bfloat16";
-    case at::kComplexFloat: return "torch.complex64";
-    case at::kComplexDouble: return "torch.complex128";
-    case at::kChar: return "torch.int8";
-    case at::kShort: return "torch.int16";
-    case at::kInt: return "torch.int32";
-    case at::kLong: return "torch.int64";
-    case at::kByte: return "torch.uint8";
-    case at::kUInt16: return "torch.uint16";
-    case at::kUInt32: return "torch.uint32";
-    case at::kUInt64: return "torch.uint64";
-    case at::kBool: return "torch.bool";
-    default: return c10::toString(t);
-  }
-}
-
-MPI_Datatype datatype(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat: return MPI_FLOAT;
-    case at::kDouble: return MPI_DOUBLE;
-#if defined(MPIX_C_FLOAT16) && defined(MPIX_BFLOAT16)
-    case at::kHalf: return g_native_half ? MPIX_C_FLOAT16 : MPI_UINT16_T;
-    case at::kBFloat16: return g_native_half ? MPIX_BFLOAT16 : MPI_UINT16_T;
-#else
-    case at::kHalf: case at::kBFloat16: return MPI_UINT16_T;
-#endif
-    case at::kComplexFloat: return MPI_C_FLOAT_COMPLEX;
-    case at::kComplexDouble: return MPI_C_DOUBLE_COMPLEX;
-    case at::kChar: return MPI_INT8_T;
-    case at::kShort: return MPI_INT16_T;
-    case at::kInt: return MPI_INT32_T;
-    case at::kLong: return MPI_INT64_T;
-    case at::kByte: return MPI_UINT8_T;
-    case at::kUInt16: return MPI_UINT16_T;
-    case at::kUInt32: return MPI_UINT32_T;
-    case at::kUInt64: return MPI_UINT64_T;
-    case at::kBool: return MPI_C_BOOL;
-    default:
-      raiseLaunchError(std::string("the ") + kName + " backend cannot move " + dtypeName(t) +
-                           " tensors",
-                       "cast the tensor to a float, integer, bool or complex dtype");
-  }
-}
-
-// What a reduction needs: the MPI op, the dtype to compute in, and what to do around it.
-struct Reduction {
-  MPI_Op op;
-  at::ScalarType compute;
-  bool average = false;
-  std::optional<c10::Scalar> premul;  // PREMUL_SUM: multiply the inputs before summing
-  std::optional<Tensor> premulTensor;
-};
-
-const char* opName(ReduceOp::RedOpType k) {
-  switch (k) {
-    case ReduceOp::SUM: return "SUM";
-    case ReduceOp::AVG: return "AVG";
-    case ReduceOp::PRODUCT: return "PRODUCT";
-    case ReduceOp::MIN: return "MIN";
-    case ReduceOp::MAX: return "MAX";
-    case ReduceOp::BAND: return "BAND";
-    case ReduceOp::BOR: return "BOR";
-    case ReduceOp::BXOR: return "BXOR";
-    case ReduceOp::PREMUL_SUM: return "PREMUL_SUM";
-    default: return "UNUSED";
-  }
-}
-
-Reduction reduction(at::ScalarType t, const ReduceOp& rop) {
-  const auto k = rop.op_;
-  const bool isBool = t == at::kBool;
-  const bool isFloat = at::isFloatingType(t) || at::isComplexType(t);
-  const bool isComplex = at::isComplexType(t);
-  Reduction r{MPI_OP_NULL, t};
-  bool ok = true;
-  if (isBool) {
-    switch (k) {
-      case ReduceOp::SUM: case ReduceOp::MAX: case ReduceOp::BOR: r.op = MPI_LOR; break;
-      case ReduceOp::PRODUCT: case ReduceOp::MIN: case ReduceOp::BAND: r.op = MPI_LAND; break;
-      case ReduceOp::BXOR: r.op = MPI_LXOR; break;
-      default: ok = false;
-    }
-  } else {
-    switch (k) {
-      case ReduceOp::SUM: r.op = MPI_SUM; break;
-      case ReduceOp::AVG: r.op = MPI_SUM; r.average = true; ok = isFloat; break;
-      case ReduceOp::PREMUL_SUM: {
-        r.op = MPI_SUM;
-        ok = isFloat;
-        // the name every torch since 2.4 has (2.13 made it an alias of PreMulSumSupplement)
-        auto* s = dynamic_cast<c10d::NCCLPreMulSumSupplement*>(rop.supplement_.get());
-        if (s == nullptr) {
-          ok = false;
-        } else if (s->tensor_factor.defined()) {
-          r.premulTensor = s->tensor_factor;
-        } else {
-          r.premul = s->double_factor;
-        }
-        break;
-      }
-      case ReduceOp::PRODUCT: r.op = MPI_PROD; break;
-      case ReduceOp::MIN: r.op = MPI_MIN; ok = !isComplex; break;
-      case ReduceOp::MAX: r.op = MPI_MAX; ok = !isComplex; break;
-      case ReduceOp::BAND: r.op = MPI_BAND; ok = !isFloat; break;
-      case ReduceOp::BOR: r.op = MPI_BOR; ok = !isFloat; break;
-      case ReduceOp::BXOR: r.op = MPI_BXOR; ok = !isFloat; break;
-      default: ok = false;
-    }
-  }
-  // MPICH sums its 16-bit float types natively but fails an assertion on MIN/MAX/PROD of them
-  if (isHalf(t) && !(g_native_half && r.op == MPI_SUM)) r.compute = at::kFloat;
-  if (!ok) {
-    raiseLaunchError(std::string("the ") + kName + " backend cannot reduce " + dtypeName(t) +
-                         " tensors with ReduceOp." + opName(k),
-                     "use SUM/PRODUCT/MIN/MAX, AVG and PREMUL_SUM only for floating dtypes, "
-                     "BAND/BOR/BXOR only for integer and bool dtypes, no MIN/MAX for complex; "
-                     "cast the tensor if needed");
-  }
-  return r;
-}
-
-// -- tensors as MPI buffers -------------------------------------------------------------------
-
-// ``t`` as a contiguous CPU tensor of ``dtype`` MPI can read by address: ``t`` itself when it is
-// one already, else a copy (CUDA tensors are staged through host memory: the .to() waits).
-Tensor addressable(const Tensor& t, at::ScalarType dtype) {
-  if (t.is_cpu() && t.scalar_type() == dtype && t.is_contiguous()) return t;
-  return t.detach().to(at::kCPU, dtype).contiguous();
-}
-Tensor addressable(const Tensor& t) { return addressable(t, t.scalar_type()); }
-
-void writeBack(const Tensor& dst, const Tensor& src) {
-  if (!dst.is_same(src)) dst.detach().copy_(src);
-}
-
-Tensor flat(const std::vector<Tensor>& ts, at::ScalarType dtype) {
-  std::vector<Tensor> parts;
-  parts.reserve(ts.size());
-  for (const auto& t : ts) parts.push_back(t.detach().reshape(-1).to(at::kCPU, dtype));
-  return at::cat(parts);
-}
-
-void unflat(const Tensor& flat, const std::vector<Tensor>& ts) {
-  int64_t offset = 0;
-  for (const auto& t : ts) {
-    const int64_t n = t.numel();
-    t.detach().copy_(flat.narrow(0, offset, n).view(t.sizes()));
-    offset += n;
-  }
-}
-
-void premultiply(Tensor& buf, const Reduction& r) {
-  if (r.premulTensor) buf.mul_(r.premulTensor->to(buf.device()));
-  if (r.premul) buf.mul_(*r.premul);
-}
-
-// -- operations and works ---------------------------------------------------------------------
-
-using Start = std::function<int(MPI_Request*)>;
-
-// One collective: MPI calls started one after another (all_reduce's slices), then ``finish``
-// (copies back, the average) and the future completed with ``outputs``.
-struct Op {
-  std::string name;
-  std::vector<Start> stages;
-  std::function<void()> finish;
-  std::vector<Tensor> outputs;
-  std::chrono::milliseconds timeout;
-  c10::intrusive_ptr<c10::ivalue::Future> future;
-};
-
-c10::intrusive_ptr<c10::ivalue::Future> newFuture() {
-  return c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
-}
-
-class CollectiveWork : public c10d::Work {
- public:
-  CollectiveWork(c10::intrusive_ptr<c10::ivalue::Future> future, std::vector<Tensor> outputs,
-                 c10d::OpType type)
-      : Work(-1, type), future_(std::move(future)), outputs_(std::move(outputs)) {}
-
-  bool isCompleted() override { return future_->completed(); }
-  bool isSuccess() const override { return future_->completed() && !future_->hasError(); }
-  std::exception_ptr exception() const override {
-    return future_->hasError() ? future_->exception_ptr() : nullptr;
-  }
-  std::vector<Tensor> result() override { return outputs_; }
-  bool wait(std::chrono::milliseconds /* timeout: the group's governs */) override {
-    future_->wait();
-    if (future_->hasError()) std::rethrow_exception(future_->exception_ptr());
-    return true;
-  }
-  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
-
- private:
-  c10::intrusive_ptr<c10::ivalue::Future> future_;
-  std::vector<Tensor> outputs_;
-};
-
-// The timeout callback, shared by a group and its works without taking the GIL for each
-// copy; the last owner lets go of it with the GIL (at interpreter exit it is left to leak).
-using Overdue = std::shared_ptr<py::function>;
-
-Overdue shareOverdue(py::function f) {
-  return Overdue(new py::function(std::move(f)), [](py::function* p) {
-    if (!Py_IsInitialized()) {
-      p->release();
-    } else {
-      py::gil_scoped_acquire gil;
-      p->dec_ref();
-      p->release();
-    }
-    delete p;
-  });
-}
-
-// Polls ``request`` until done, asking ``overdue`` past the timeout (see the file comment).
-void poll(MPI_Request* request, MPI_Status* status, const std::string& what,
-          std::chrono::milliseconds timeout, std::chrono::microseconds spin,
-          const py::function& overdue) {
-  const auto start = Clock::now();
-  auto pause = std::chrono::microseconds(1);
-  auto nextAsk = start + timeout;
-  for (int polls = 0;; ++polls) {
-    int done = 0;
-    check(MPI_Test(request, &done, status), what);
-    if (done) return;
-    if (polls < kPollsBeforeYield) continue;
-    const auto now = Clock::now();
-    if (now - start < spin) {
-      sched_yield();
-    } else {
-      std::this_thread::sleep_for(pause);
-      pause = std::min(pause * 2, std::chrono::duration_cast<std::chrono::microseconds>(kMaxPause));
-    }
-    if (now >= nextAsk) {
-      const double elapsed = std::chrono::duration<double>(now - start).count();
-      py::gil_scoped_acquire gil;
-      overdue(what, elapsed);  // raises (PeerLost) or returns: every peer still beats
-      nextAsk = Clock::now() + kOverdueEvery;
-    }
-  }
-}
-
-class P2PWork : public c10d::Work {
- public:
-  P2PWork(MPI_Request request, Tensor buf, std::optional<Tensor> target, std::string what,
-          std::chrono::milliseconds timeout, std::chrono::microseconds spin, Overdue overdue,
-          c10d::OpType type)
-      : Work(-1, type), request_(request), buf_(std::move(buf)), target_(std::move(target)),
-        what_(std::move(what)), timeout_(timeout), spin_(spin), overdue_(std::move(overdue)) {}
-
-  bool wait(std::chrono::milliseconds /* timeout */) override {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (!done_) {
-      poll(&request_, &status_, what_, timeout_, spin_, *overdue_);
-      finishLocked();
-    }
-    return true;
-  }
-  bool isCompleted() override {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (!done_) {
-      int flag = 0;
-      check(MPI_Test(&request_, &flag, &status_), what_);
-      if (flag) finishLocked();
-    }
-    return done_;
-  }
-  bool isSuccess() const override { return done_; }
-  int sourceRank() const override {
-    const_cast<P2PWork*>(this)->wait(std::chrono::milliseconds(0));
-    return status_.MPI_SOURCE;
-  }
-  std::vector<Tensor> result() override { return {target_ ? *target_ : buf_}; }
-  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
-    wait(std::chrono::milliseconds(0));
-    auto future = newFuture();
-    future->markCompleted(c10::IValue(result()));
-    return future;
-  }
-
- private:
-  void finishLocked() {
-    if (target_) {
-      at::NoGradGuard noGrad;
-      writeBack(*target_, buf_);
-    }
-    done_ = true;
-  }
-
-  std::mutex mu_;
-  MPI_Request request_;
-  MPI_Status status_{};
-  Tensor buf_;
-  std::optional<Tensor> target_;
-  std::string what_;
-  std::chrono::milliseconds timeout_;
-  std::chrono::microseconds spin_;
-  Overdue overdue_;
-  bool done_ = false;
-};
 
 // -- the backend ------------------------------------------------------------------------------
 
@@ -391,18 +34,18 @@ class MpiBackend : public c10d::Backend {
   MpiBackend(MPI_Comm comm, int rank, int size, std::chrono::milliseconds timeout,
              std::chrono::microseconds spin, py::function overdue)
       : Backend(rank, size), comm_(comm), timeout_(timeout), spin_(spin),
-        overdue_(shareOverdue(std::move(overdue))) {
+        overdue_(shareOverdue(std::move(overdue))),
+        queue_(" on a group of " + std::to_string(size) + " ranks", spin, overdue_) {
     check(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler");
-    thread_ = std::thread([this] { loop(); });
   }
 
-  ~MpiBackend() override { stop(); }
+  ~MpiBackend() override { queue_.stop(); }
 
   const std::string getBackendName() const override { return kName; }
   void setTimeout(std::chrono::milliseconds timeout) override { timeout_ = timeout; }
 
   void shutdown() override {
-    stop();
+    queue_.stop();
     if (comm_ != MPI_COMM_NULL) MPI_Comm_free(&comm_);
   }
 
@@ -412,7 +55,7 @@ class MpiBackend : public c10d::Backend {
                                            const c10d::AllreduceOptions& opts) override {
     Op op = newOp("all_reduce", tensors, opts.timeout);
     for (const auto& t : tensors) addAllreduce(op, t, opts.reduceOp);
-    return submit(std::move(op), opts.asyncOp, c10d::OpType::ALLREDUCE);
+    return queue_.submit(std::move(op), opts.asyncOp, c10d::OpType::ALLREDUCE);
   }
 
   c10::intrusive_ptr<c10d::Work> allreduce_coalesced(
@@ -439,7 +82,7 @@ class MpiBackend : public c10d::Backend {
       }
       if (atRoot) chain(op, [=, this] { averaged(buf, r); writeBack(t, buf); });
     }
-    return submit(std::move(op), opts.asyncOp, c10d::OpType::REDUCE);
+    return queue_.submit(std::move(op), opts.asyncOp, c10d::OpType::REDUCE);
   }
 
   c10::intrusive_ptr<c10d::Work> reduce_scatter(
@@ -454,7 +97,7 @@ class MpiBackend : public c10d::Backend {
       premultiply(in, r);
       addReduceScatter(op, outputs[i], in, r);
     }
-    return submit(std::move(op), opts.asyncOp, c10d::OpType::REDUCE_SCATTER);
+    return queue_.submit(std::move(op), opts.asyncOp, c10d::OpType::REDUCE_SCATTER);
   }
 
   c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(
@@ -471,7 +114,7 @@ class MpiBackend : public c10d::Backend {
       Reduction r = reduction(outputs[i].scalar_type(), opts.reduceOp);
       addReduceScatter(op, outputs[i], prepared(inputs[i], r, true), r);
     }
-    return submit(std::move(op), opts.asyncOp, c10d::OpType::_REDUCE_SCATTER_BASE);
+    return queue_.submit(std::move(op), opts.asyncOp, c10d::OpType::_REDUCE_SCATTER_BASE);
   }
 
   // -- data movement ------------------------------------------------------------------------
@@ -491,7 +134,7 @@ class MpiBackend : public c10d::Backend {
       }
       if (rank_ != root) chain(op, [=] { writeBack(t, buf); });
     }
-    return submit(std::move(op), opts.asyncOp, c10d::OpType::BROADCAST);
+    return queue_.submit(std::move(op), opts.asyncOp, c10d::OpType::BROADCAST);
   }
 
   c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<Tensor>>& outputLists,
@@ -511,7 +154,7 @@ class MpiBackend : public c10d::Backend {
       auto outputs = outputLists[i];
       chain(op, [=] { unflat(all, outputs); });
     }
-    return submit(std::move(op), opts.asyncOp, c10d::OpType::ALLGATHER);
+    return queue_.submit(std::move(op), opts.asyncOp, c10d::OpType::ALLGATHER);
   }
 
   c10::intrusive_ptr<c10d::Work> allgather_coalesced(
@@ -547,7 +190,7 @@ class MpiBackend : public c10d::Backend {
       Tensor target = outputs[i];
       chain(op, [=] { writeBack(target, out); });
     }
-    return submit(std::move(op), opts.asyncOp, c10d::OpType::_ALLGATHER_BASE);
+    return queue_.submit(std::move(op), opts.asyncOp, c10d::OpType::_ALLGATHER_BASE);
   }
 
   c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<Tensor>>& outputLists,
@@ -571,7 +214,7 @@ class MpiBackend : public c10d::Backend {
       auto outputs = outputLists.at(0);
       chain(op, [=] { unflat(all, outputs); });
     }
-    return submit(std::move(op), opts.asyncOp, c10d::OpType::GATHER);
+    return queue_.submit(std::move(op), opts.asyncOp, c10d::OpType::GATHER);
   }
 
   c10::intrusive_ptr<c10d::Work> scatter(std::vector<Tensor>& outputs,
@@ -592,7 +235,7 @@ class MpiBackend : public c10d::Backend {
     }
     Tensor target = outputs[0];
     chain(op, [=] { writeBack(target, out); });
-    return submit(std::move(op), opts.asyncOp, c10d::OpType::SCATTER);
+    return queue_.submit(std::move(op), opts.asyncOp, c10d::OpType::SCATTER);
   }
 
   c10::intrusive_ptr<c10d::Work> alltoall_base(Tensor& output, Tensor& input,
@@ -604,7 +247,7 @@ class MpiBackend : public c10d::Backend {
     addAlltoallv(op, out, counts(out, outputSplits), in, counts(in, inputSplits));
     Tensor target = output;
     chain(op, [=] { writeBack(target, out); });
-    return submit(std::move(op), opts.asyncOp, c10d::OpType::ALLTOALL_BASE);
+    return queue_.submit(std::move(op), opts.asyncOp, c10d::OpType::ALLTOALL_BASE);
   }
 
   c10::intrusive_ptr<c10d::Work> alltoall(std::vector<Tensor>& outputs,
@@ -623,13 +266,13 @@ class MpiBackend : public c10d::Backend {
     addAlltoallv(op, out, recvCounts, flat(inputs, dtype), sendCounts);
     auto targets = outputs;
     chain(op, [=] { unflat(out, targets); });
-    return submit(std::move(op), opts.asyncOp, c10d::OpType::ALLTOALL);
+    return queue_.submit(std::move(op), opts.asyncOp, c10d::OpType::ALLTOALL);
   }
 
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override {
     Op op = newOp("barrier", {}, opts.timeout);
     op.stages.push_back([this](MPI_Request* q) { return MPI_Ibarrier(comm_, q); });
-    return submit(std::move(op), opts.asyncOp, c10d::OpType::BARRIER);
+    return queue_.submit(std::move(op), opts.asyncOp, c10d::OpType::BARRIER);
   }
 
   // -- point to point -----------------------------------------------------------------------
@@ -765,106 +408,11 @@ class MpiBackend : public c10d::Backend {
                                         timeout_, spin_, overdue_, type);
   }
 
-  // -- running ops --------------------------------------------------------------------------
-
-  // Runs ``op`` in this thread when the caller waits for it anyway and the group is idle, else
-  // queues it for the progress thread.
-  c10::intrusive_ptr<c10d::Work> submit(Op op, bool asyncOp, c10d::OpType type) {
-    op.future = newFuture();
-    auto work = c10::make_intrusive<CollectiveWork>(op.future, op.outputs, type);
-    std::unique_lock<std::mutex> lock(mu_);
-    if (failure_) std::rethrow_exception(failure_);
-    if (!asyncOp && queue_.empty() && !busy_) {
-      busy_ = true;
-      lock.unlock();
-      std::exception_ptr error;
-      try {
-        run(op);
-      } catch (...) {
-        error = std::current_exception();
-      }
-      lock.lock();
-      busy_ = false;
-      if (error) failure_ = error;
-      cv_.notify_all();
-      if (error) std::rethrow_exception(error);
-      return work;
-    }
-    queue_.push_back(std::move(op));
-    cv_.notify_all();
-    return work;
-  }
-
-  void run(Op& op) {
-    for (size_t i = 0; i < op.stages.size(); ++i) {
-      MPI_Request q = MPI_REQUEST_NULL;
-      check(op.stages[i](&q), op.name);
-      poll(&q, MPI_STATUS_IGNORE, op.name + " on a group of " + std::to_string(size_) + " ranks",
-           op.timeout, spin_, *overdue_);
-    }
-    if (op.finish) {
-      at::NoGradGuard noGrad;  // the outputs may be leaves that require grad (parameters)
-      op.finish();
-    }
-    op.future->markCompleted(c10::IValue(op.outputs));
-  }
-
-  void loop() {
-    std::unique_lock<std::mutex> lock(mu_);
-    while (true) {
-      cv_.wait(lock, [this] { return stop_ || (!queue_.empty() && !busy_); });
-      if (stop_) return;
-      Op op = std::move(queue_.front());
-      queue_.pop_front();
-      if (failure_) {
-        op.future->setError(failure_);
-        continue;
-      }
-      busy_ = true;
-      lock.unlock();
-      std::exception_ptr error;
-      try {
-        run(op);
-      } catch (...) {
-        error = std::current_exception();
-      }
-      if (error) op.future->setErrorIfNeeded(error);
-      lock.lock();
-      busy_ = false;
-      if (error) failure_ = error;
-      cv_.notify_all();
-    }
-  }
-
-  // Lets the queued ops finish (each is bounded by its timeout), then ends the thread.
-  void stop() {
-    std::optional<py::gil_scoped_release> release;
-    if (Py_IsInitialized() && PyGILState_Check()) release.emplace();  // a timeout needs it
-    {
-      std::unique_lock<std::mutex> lock(mu_);
-      if (stop_) return;
-      cv_.wait(lock, [this] { return queue_.empty() && !busy_; });
-      stop_ = true;
-      cv_.notify_all();
-    }
-    if (thread_.get_id() == std::this_thread::get_id()) {
-      thread_.detach();  // the last reference went in one of this thread's callbacks
-    } else if (thread_.joinable()) {
-      thread_.join();
-    }
-  }
-
   MPI_Comm comm_;
   std::chrono::milliseconds timeout_;
   std::chrono::microseconds spin_;
   Overdue overdue_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<Op> queue_;
-  bool busy_ = false;
-  bool stop_ = false;
-  std::exception_ptr failure_;
-  std::thread thread_;
+  OpQueue queue_;
 };
 
 // ``handle``: mpi4py's ``Comm.handle``, MPICH's int handle as an unsigned 64-bit number

@@ -1,6 +1,6 @@
-"""The mpi backend compiled: ``launcher/mpi/cxx.cpp``, a ``c10d::Backend`` on the MPI library
-mpi4py loaded, built here and chosen over the Python backend (``launcher.mpi.backend``)
-wherever it can run.
+"""The mpi backend compiled: ``launcher/mpi/cxx.cpp`` (and the parts it includes), a
+``c10d::Backend`` on the MPI library mpi4py loaded, built here and chosen over the Python
+backend (``launcher.mpi.backend``) wherever it can run.
 
 ``python -m launcher.mpi.cxx`` (``scripts/bootstrap.sh``, the image's build stage) compiles it
 against the MPICH beside the venv's Python (``include/mpi.h``, ``lib/libmpi.so.12``, rpath)
@@ -40,7 +40,9 @@ else:  # run as a file of its own (the image's build stage): the files beside it
     import ucx_address
 
 BACKEND_NAME = "mpi_cxx"
-SOURCE = Path(__file__).with_name("cxx.cpp")
+#: the C++: cxx.cpp and the parts it includes (docker/Dockerfile copies each by name)
+SOURCES = tuple(Path(__file__).with_name(name)
+                for name in ("cxx.cpp", "cxx_types.h", "cxx_work.h", "cxx_queue.h"))
 _PREFIX = "ddp_mpi_cxx_"
 #: what ``DDP_MPI_IMPL`` may say
 IMPL_CHOICES = ("auto", "cxx", "python")
@@ -57,7 +59,8 @@ def _launch_error(message: str, hint: str) -> Exception:
 
 def module_name() -> str:
     """The module's name: a hash of what makes a build usable (source, torch)."""
-    digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()
+    digest = hashlib.sha256(b"".join(path.read_bytes() for path in SOURCES)
+                            + torch.__version__.encode()).hexdigest()
     return f"{_PREFIX}{digest[:16]}"
 
 
@@ -82,7 +85,7 @@ def build(mpi_prefix: Path, directory: str | None = None, quiet: bool = True) ->
     name = module_name()
     with ext_files.staging(target) as tmp:
         extension = CppExtension(
-            name, [str(SOURCE)], include_dirs=[str(include)], library_dirs=[str(lib)],
+            name, [str(SOURCES[0])], include_dirs=[str(include)], library_dirs=[str(lib)],
             libraries=[":" + SONAME], extra_link_args=[f"-Wl,-rpath,{lib}"],
             extra_compile_args=["-O2", "-g0"])
         args = ["build_ext", "--build-lib", str(tmp), "--build-temp", str(tmp)]

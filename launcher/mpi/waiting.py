@@ -37,8 +37,8 @@ class _Polling(Protocol):
 POLLS_BEFORE_YIELD = 50
 #: a wait longer than this sleeps between polls (doubling up to MAX_PAUSE_S), not to burn a
 #: core that another rank, the heartbeat or a data loader needs. The compiled backend waits
-#: alike: it shares kPollsBeforeYield and kMaxPause (cxx.cpp; tests/test_mpi_cxx.py keeps them
-#: equal) and is given its group's spin (``spin_s``).
+#: alike: it shares kPollsBeforeYield and kMaxPause (cxx_work.h; tests/test_mpi_cxx.py keeps
+#: them equal) and is given its group's spin (``spin_s``).
 #: Not shorter: MPI moves data only while polled, so a rank asleep when its late peer arrives
 #: slows the exchange (1 ms: an 80 KiB all_reduce after skewed compute 277 us, not 55 us)
 SPIN_S = 0.010
