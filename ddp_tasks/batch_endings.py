@@ -88,7 +88,13 @@ log_attempt() {{
 }}
 
 {_requeue(job)}
-# The nodes that went quiet first (their ranks killed, or the node lost), when no rank could
+{_quiet_first(job)}
+{_requeue_without(job)}
+"""
+
+
+def _quiet_first(job: str) -> str:
+    return f"""# The nodes that went quiet first (their ranks killed, or the node lost), when no rank could
 # say: the ranks' records left in $ranks_dir (launcher.faults.rank_record). A record's first
 # line is its node; more lines are a traceback (a fatal signal ended the rank); a node's newest
 # record is when it was last known alive (one rank per node touches its record). Silent nodes
@@ -113,8 +119,11 @@ quiet_first() {{
             for (n in at) if (!(n in crashed) && at[n] <= limit) print n
         }}' | sort -u | paste -sd,
 }}
+"""
 
-# Requeue without the nodes $1 (comma-separated; none when empty) because of $2: exits the
+
+def _requeue_without(job: str) -> str:
+    return f"""# Requeue without the nodes $1 (comma-separated; none when empty) because of $2: exits the
 # script, or returns 1 when this job used all its restarts (counted in the attempt log, so a
 # log that cannot be written means no requeue).
 requeue_without() {{
@@ -135,7 +144,6 @@ requeue_without() {{
     [ -z "$1" ] || scontrol update JobId="{job}" ExcNodeList="${{excluded:+$excluded,}}$1"
     exit
 }}
-
 """
 
 
