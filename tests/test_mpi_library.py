@@ -212,6 +212,17 @@ def test_the_nodes_decision_switches_the_bundled_mpis_single_copy(monkeypatch, u
     assert capsys.readouterr().err == ""  # local rank 1: only local rank 0 speaks
 
 
+@pytest.mark.parametrize(("user", "expected"), [(None, "^posix"), ("tcp,sysv", "tcp,sysv")])
+def test_ranks_in_several_user_namespaces_keep_ucx_off_its_posix_shared_memory(
+        monkeypatch, unloaded, user, expected):
+    decision = cma.Decision(False, "2 user namespaces", one_namespace=False)
+    monkeypatch.setattr(mpi_library.cma, "node_decision", lambda env: decision)
+    written = {} if user is None else {mpi_library.UCX_TLS: user}
+    monkeypatch.setattr(settings.os, "environ", written)
+    mpi_library.load(detect_environment(HYDRA, hostname="n1"))
+    assert written[mpi_library.UCX_TLS] == expected  # the user's own value wins
+
+
 def test_local_rank_0_says_the_decision_in_one_line(monkeypatch, bundled, capsys):
     monkeypatch.setattr(mpi_library, "_loaded", None)
     monkeypatch.setattr(mpi_library, "BUNDLED_MPICH", bundled[0])

@@ -59,6 +59,8 @@ class Evidence:
 class Decision:
     on: bool
     reason: str
+    #: False where the node's ranks were found in several user namespaces
+    one_namespace: bool = True
 
     def line(self, env: JobEnv) -> str:
         """The node's one line: the decision, why, and what off costs."""
@@ -76,7 +78,7 @@ def decide(evidence: list[Evidence], local_size: int, ptrace_scope: int | None =
     if len(namespaces) > 1:
         return Decision(False, f"the {local_size} local ranks are in {len(namespaces)} user "
                         "namespaces (one container per rank: ch-run without --join, rootless "
-                        "apptainer without --sharens); run them in one")
+                        "apptainer without --sharens); run them in one", one_namespace=False)
     failed = sorted({e.read for e in evidence if e.read})
     if failed:
         if "EPERM" in failed and ptrace_scope:
@@ -171,7 +173,7 @@ def probe(env: JobEnv, root: Path = Path("/dev/shm"), timeout: float = TIMEOUT_S
         record = _wait_for(directory / "decision", start + 2 * timeout)
         if record is None or record["pids"][rank] != os.getpid():
             return Decision(False, f"local rank 0 gave no decision within {2 * timeout:g} s")
-        return Decision(record["on"], record["reason"])
+        return Decision(record["on"], record["reason"], record["one_namespace"])
     finally:
         for path in mine:
             path.unlink(missing_ok=True)
@@ -197,7 +199,8 @@ def _decide_for_node(directory: Path, size: int, deadline: float, timeout: float
                 for r, report in enumerate(reports) if report is not None]
     decision = decide(evidence, size, ptrace_scope(), timeout)
     pids = [report["pid"] if report else 0 for report in reports]
-    _write(directory / "decision", {"on": decision.on, "reason": decision.reason, "pids": pids})
+    _write(directory / "decision", {"on": decision.on, "reason": decision.reason,
+                                    "one_namespace": decision.one_namespace, "pids": pids})
     # the others remove their own files once they have read it; then the directory can go
     others = {f"rank{r}" for r in range(1, size)} | {f"read{r}" for r in range(1, size)}
     while time.monotonic() < deadline + timeout and others & {p.name for p in

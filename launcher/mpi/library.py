@@ -59,6 +59,13 @@ SMSC_VARIABLE = "OMPI_MCA_smsc"
 SINGLE_COPY = {"mpich": (CMA_VARIABLE, "1", "0"), "openmpi": (SMSC_VARIABLE, "cma", "^cma")}
 #: MPICH's algorithm for the non-blocking all_reduce, the backend's (launcher/mpi/backend.py)
 IALLREDUCE_VARIABLE = "MPIR_CVAR_IALLREDUCE_INTRA_ALGORITHM"
+#: the transports UCX may use (the bundled MPICH's netmod): all but its POSIX shared memory
+#: where a node's ranks are in several user namespaces. Its peers' segments are opened through
+#: /proc/PID/fd, which another user namespace may not do: one "mm_posix.c ... UCX ERROR
+#: open(/proc/...) failed: Permission denied" line on stdout per connection. SysV shared memory
+#: instead, which the kernel frees when the last rank detaches, however it ends (named POSIX
+#: segments, UCX_POSIX_USE_PROC_LINK=n, stay in /dev/shm after a rank is killed)
+UCX_TLS, UCX_WITHOUT_POSIX = "UCX_TLS", "^posix"
 #: a libmpi among a process's mapped files (/proc/self/maps, real file names such as
 #: libmpi.so.40.30.1): MPI's own library, not its bindings beside it (libmpi_cxx, libmpifort)
 _MAPPED = re.compile(r"(/\S*/lib(?:mpi|mpich|mpi_abi)\.so(?:\.\d+)*)$", re.MULTILINE)
@@ -199,6 +206,10 @@ def _decide_single_copy(env: JobEnv, choice: MpiChoice) -> None:
     decision = cma.node_decision(env)
     line = decision.line(env)
     settings.decide(variable, on if decision.on else off, line)
+    if not decision.one_namespace:
+        settings.prefer(UCX_TLS, UCX_WITHOUT_POSIX, "the node's ranks are in several user "
+                        "namespaces, which cannot open each other's POSIX shared memory "
+                        "through /proc: UCX's SysV shared memory instead")
     if env.local_rank == 0 and not decision.on:  # on is the rule: launcher.check says it
         print(line, file=sys.stderr, flush=True)
 
