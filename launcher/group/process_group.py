@@ -134,11 +134,7 @@ def process_group(
         healthy = False
         if isinstance(exc, PeerLost):
             raise
-        if is_communication_failure(exc):
-            if watchdog.notice is not None:  # the failed peer ended: not a lost one
-                raise RankFailed(watchdog.notice.status) from None
-            raise diagnose(env, name, exc, beat, watch) from None
-        raise RankFailed(watchdog.fail(exc)) from None
+        raise _ending(exc, env, name, watchdog, beat, watch) from None
     finally:
         # a lost or failed peer may hold up an orderly tear-down: the caller ends the process
         # instead (launcher.core.errors.report_and_exit, launcher.faults.exits.end_process);
@@ -155,6 +151,18 @@ def process_group(
             if dist.is_initialized():
                 _release_users_of_the_group(failure)
                 dist.destroy_process_group()
+
+
+def _ending(exc: Exception, env: JobEnv, name: str, watchdog: failfast.Watchdog,
+            beat: heartbeat.Heartbeat | None, watch: hang_watch.HangWatch | None) -> Exception:
+    """What an exception raised on this rank alone ends the job with: the failure of a peer
+    that the watchdog heard of (not a lost peer), a lost peer diagnosed, or this rank's own
+    failure, told to the others."""
+    if is_communication_failure(exc):
+        if watchdog.notice is not None:
+            return RankFailed(watchdog.notice.status)
+        return diagnose(env, name, exc, beat, watch)
+    return RankFailed(watchdog.fail(exc))
 
 
 def _start(env: JobEnv, chosen: BackendPlan, device: torch.device,
