@@ -106,120 +106,134 @@ def gloo_real(g, t: torch.Tensor) -> torch.Tensor:
     return torch.view_as_real(t) if t.is_complex() and dist.get_backend(g) == "gloo" else t
 
 
-def make_ops():
-    def all_reduce(op):
-        def run(g, dt, shape, nc, gen):
-            t = tensor(shape, dt, nc, gen)
-            dist.all_reduce(t, op=op, group=g)
-            return [t]
-        return run
-
-    def reduce(op):
-        def run(g, dt, shape, nc, gen):
-            t = tensor(shape, dt, nc, gen)
-            root = SIZE - 1
-            dist.reduce(t, dst=root, op=op, group=g)
-            return [t] if root == RANK else []
-        return run
-
-    def broadcast(g, dt, shape, nc, gen):
+# The ops each case runs: a function of (group, dtype, shape, non-contiguous, generator)
+# returning the tensors to compare; the reductions made per reduce op.
+def all_reduce(op):
+    def run(g, dt, shape, nc, gen):
         t = tensor(shape, dt, nc, gen)
-        dist.broadcast(t, src=SIZE - 1, group=g)
+        dist.all_reduce(t, op=op, group=g)
         return [t]
+    return run
 
-    def all_gather(g, dt, shape, nc, gen):
-        outs = [empty(shape, dt, nc) for _ in range(SIZE)]
-        dist.all_gather(outs, tensor(shape, dt, nc, gen), group=g)
-        return outs
 
-    def all_gather_into_tensor(g, dt, shape, nc, gen):
-        out = empty((SIZE * shape[0], *shape[1:]), dt, False)
-        dist.all_gather_into_tensor(out, tensor(shape, dt, nc, gen), group=g)
-        return [out]
+def reduce(op):
+    def run(g, dt, shape, nc, gen):
+        t = tensor(shape, dt, nc, gen)
+        root = SIZE - 1
+        dist.reduce(t, dst=root, op=op, group=g)
+        return [t] if root == RANK else []
+    return run
 
-    def gather(g, dt, shape, nc, gen):
-        outs = [empty(shape, dt, nc) for _ in range(SIZE)] if RANK == 0 else []
-        dist.gather(gloo_real(g, tensor(shape, dt, nc, gen)),
-                    [gloo_real(g, t) for t in outs] or None, dst=0, group=g)
-        return outs
 
-    def scatter(g, dt, shape, nc, gen):
-        ins = [gloo_real(g, tensor(shape, dt, nc, gen)) for _ in range(SIZE)] if RANK == 0 else None
+def broadcast(g, dt, shape, nc, gen):
+    t = tensor(shape, dt, nc, gen)
+    dist.broadcast(t, src=SIZE - 1, group=g)
+    return [t]
+
+
+def all_gather(g, dt, shape, nc, gen):
+    outs = [empty(shape, dt, nc) for _ in range(SIZE)]
+    dist.all_gather(outs, tensor(shape, dt, nc, gen), group=g)
+    return outs
+
+
+def all_gather_into_tensor(g, dt, shape, nc, gen):
+    out = empty((SIZE * shape[0], *shape[1:]), dt, False)
+    dist.all_gather_into_tensor(out, tensor(shape, dt, nc, gen), group=g)
+    return [out]
+
+
+def gather(g, dt, shape, nc, gen):
+    outs = [empty(shape, dt, nc) for _ in range(SIZE)] if RANK == 0 else []
+    dist.gather(gloo_real(g, tensor(shape, dt, nc, gen)),
+                [gloo_real(g, t) for t in outs] or None, dst=0, group=g)
+    return outs
+
+
+def scatter(g, dt, shape, nc, gen):
+    ins = [gloo_real(g, tensor(shape, dt, nc, gen)) for _ in range(SIZE)] if RANK == 0 else None
+    out = empty(shape, dt, nc)
+    dist.scatter(gloo_real(g, out), ins, src=0, group=g)
+    return [out]
+
+
+def reduce_scatter(op):
+    def run(g, dt, shape, nc, gen):
         out = empty(shape, dt, nc)
-        dist.scatter(gloo_real(g, out), ins, src=0, group=g)
+        dist.reduce_scatter(out, [tensor(shape, dt, nc, gen) for _ in range(SIZE)], op=op,
+                            group=g)
         return [out]
+    return run
 
-    def reduce_scatter(op):
-        def run(g, dt, shape, nc, gen):
-            out = empty(shape, dt, nc)
-            dist.reduce_scatter(out, [tensor(shape, dt, nc, gen) for _ in range(SIZE)], op=op,
-                                group=g)
-            return [out]
-        return run
 
-    def reduce_scatter_tensor(op):
-        def run(g, dt, shape, nc, gen):
-            out = empty(shape, dt, False)
-            inp = tensor((SIZE * shape[0], *shape[1:]), dt, nc, gen)
-            dist.reduce_scatter_tensor(out, inp, op=op, group=g)
-            return [out]
-        return run
-
-    def all_to_all(g, dt, shape, nc, gen):
-        # equal sizes: gloo's list form has no uneven splits (all_to_all_single_uneven has)
-        ins = [tensor(shape, dt, nc, gen) for _ in range(SIZE)]
-        outs = [empty(shape, dt, nc) for _ in range(SIZE)]
-        dist.all_to_all(outs, ins, group=g)
-        return outs
-
-    def all_to_all_single(g, dt, shape, nc, gen):
-        shape = (SIZE * shape[0], *shape[1:])
+def reduce_scatter_tensor(op):
+    def run(g, dt, shape, nc, gen):
         out = empty(shape, dt, False)
-        dist.all_to_all_single(out, tensor(shape, dt, nc, gen), group=g)
+        inp = tensor((SIZE * shape[0], *shape[1:]), dt, nc, gen)
+        dist.reduce_scatter_tensor(out, inp, op=op, group=g)
         return [out]
+    return run
 
-    def all_to_all_single_uneven(g, dt, shape, nc, gen):
-        width = shape[-1] if len(shape) > 1 else 1
-        splits = [rows(RANK, j) for j in range(SIZE)]
-        inp = tensor((sum(splits), width), dt, nc, gen)
-        out = empty((sum(splits), width), dt, False)
-        dist.all_to_all_single(out, inp, splits, splits, group=g)
-        return [out]
 
-    def isend_irecv(g, dt, shape, nc, gen):
-        ranks = dist.get_process_group_ranks(g)
-        me = group_rank(g)
-        nxt, prev = ranks[(me + 1) % SIZE], ranks[(me - 1) % SIZE]
-        out = empty(shape, dt, nc)
-        works = [dist.irecv(out, src=prev, group=g),
-                 dist.isend(tensor(shape, dt, nc, gen), dst=nxt, group=g)]
-        for w in works:
-            w.wait()
-        return [out]
+def all_to_all(g, dt, shape, nc, gen):
+    # equal sizes: gloo's list form has no uneven splits (all_to_all_single_uneven has)
+    ins = [tensor(shape, dt, nc, gen) for _ in range(SIZE)]
+    outs = [empty(shape, dt, nc) for _ in range(SIZE)]
+    dist.all_to_all(outs, ins, group=g)
+    return outs
 
-    def send_recv(g, dt, shape, nc, gen):
-        """Blocking ring: rank 0 sends first, the others receive first (from any source)."""
-        ranks = dist.get_process_group_ranks(g)
-        me = group_rank(g)
-        nxt = ranks[(me + 1) % SIZE]
-        t, out = tensor(shape, dt, nc, gen), empty(shape, dt, nc)
-        if me == 0:
-            dist.send(t, dst=nxt, group=g)
-            src = dist.recv(out, group=g)
-        else:
-            src = dist.recv(out, group=g)
-            dist.send(t, dst=nxt, group=g)
-        return [out, torch.tensor([src], dtype=dt)]
 
-    moves = {"broadcast": broadcast, "all_gather": all_gather,
-             "all_gather_into_tensor": all_gather_into_tensor, "gather": gather,
-             "scatter": scatter, "all_to_all": all_to_all,
-             "all_to_all_single": all_to_all_single,
-             "all_to_all_single_uneven": all_to_all_single_uneven,
-             "isend_irecv": isend_irecv, "send_recv": send_recv}
-    reductions = {"all_reduce": all_reduce, "reduce": reduce, "reduce_scatter": reduce_scatter,
-                  "reduce_scatter_tensor": reduce_scatter_tensor}
-    return moves, reductions
+def all_to_all_single(g, dt, shape, nc, gen):
+    shape = (SIZE * shape[0], *shape[1:])
+    out = empty(shape, dt, False)
+    dist.all_to_all_single(out, tensor(shape, dt, nc, gen), group=g)
+    return [out]
+
+
+def all_to_all_single_uneven(g, dt, shape, nc, gen):
+    width = shape[-1] if len(shape) > 1 else 1
+    splits = [rows(RANK, j) for j in range(SIZE)]
+    inp = tensor((sum(splits), width), dt, nc, gen)
+    out = empty((sum(splits), width), dt, False)
+    dist.all_to_all_single(out, inp, splits, splits, group=g)
+    return [out]
+
+
+def isend_irecv(g, dt, shape, nc, gen):
+    ranks = dist.get_process_group_ranks(g)
+    me = group_rank(g)
+    nxt, prev = ranks[(me + 1) % SIZE], ranks[(me - 1) % SIZE]
+    out = empty(shape, dt, nc)
+    works = [dist.irecv(out, src=prev, group=g),
+             dist.isend(tensor(shape, dt, nc, gen), dst=nxt, group=g)]
+    for w in works:
+        w.wait()
+    return [out]
+
+
+def send_recv(g, dt, shape, nc, gen):
+    """Blocking ring: rank 0 sends first, the others receive first (from any source)."""
+    ranks = dist.get_process_group_ranks(g)
+    me = group_rank(g)
+    nxt = ranks[(me + 1) % SIZE]
+    t, out = tensor(shape, dt, nc, gen), empty(shape, dt, nc)
+    if me == 0:
+        dist.send(t, dst=nxt, group=g)
+        src = dist.recv(out, group=g)
+    else:
+        src = dist.recv(out, group=g)
+        dist.send(t, dst=nxt, group=g)
+    return [out, torch.tensor([src], dtype=dt)]
+
+
+MOVES = {"broadcast": broadcast, "all_gather": all_gather,
+         "all_gather_into_tensor": all_gather_into_tensor, "gather": gather,
+         "scatter": scatter, "all_to_all": all_to_all,
+         "all_to_all_single": all_to_all_single,
+         "all_to_all_single_uneven": all_to_all_single_uneven,
+         "isend_irecv": isend_irecv, "send_recv": send_recv}
+REDUCTIONS = {"all_reduce": all_reduce, "reduce": reduce, "reduce_scatter": reduce_scatter,
+              "reduce_scatter_tensor": reduce_scatter_tensor}
 
 
 def reduce_ops(dtype: torch.dtype):
@@ -279,17 +293,16 @@ def scenario_compare() -> None:
     init_default(default, shared_store=True)
     groups = {backend: dist.group.WORLD if backend == default else
               dist.new_group(backend=backend, timeout=TIMEOUT) for backend in ["gloo", *names]}
-    moves, reductions = make_ops()
     cases, failures = 0, []
     for dtype in DTYPES:
         shapes = SHAPES + ([BIG] if dtype == torch.float32 else [])
         for shape, nc in shapes:
-            for name, fn in moves.items():
+            for name, fn in MOVES.items():
                 if name == "send_recv" and shape == (0,):
                     continue  # gloo's receive from any source fails on empty tensors
                 failures += run_case(name, fn, groups, names, dtype, shape, nc)
                 cases += 1
-            for name, make in reductions.items():
+            for name, make in REDUCTIONS.items():
                 for op in reduce_ops(dtype):
                     failures += run_case(f"{name}/{op}", make(op), groups, names, dtype, shape,
                                          nc)
