@@ -21,6 +21,7 @@ import pytest
 
 from launcher.mpi import cma
 from launcher.placement.env import detect_environment
+from tests.fixtures.host_mpi import IMPI_ENV
 from tests.fixtures.requirements import missing
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -132,9 +133,10 @@ def _separate_namespaces_work() -> bool:
             subprocess.run(["unshare", "-Ur", "true"], capture_output=True).returncode == 0)
 
 
-def _run_in_separate_namespaces(extra: dict[str, str]) -> tuple[int, str]:
+def _run_in_separate_namespaces(extra: dict[str, str],
+                                mpiexec: Path = MPIEXEC) -> tuple[int, str]:
     environ = {k: v for k, v in os.environ.items() if not k.startswith(("MPIR_CVAR", "OMPI_"))}
-    done = subprocess.run([str(MPIEXEC), "-n", "2", "unshare", "-Ur", sys.executable, "-c", SUMS],
+    done = subprocess.run([str(mpiexec), "-n", "2", "unshare", "-Ur", sys.executable, "-c", SUMS],
                           env={**environ, **extra, "PYTHONPATH": str(ROOT)}, cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     return done.returncode, done.stdout + done.stderr
@@ -171,6 +173,17 @@ def test_cma_forced_on_across_namespaces_is_a_clear_error_never_a_wrong_sum():
         assert output.count(f"[rank {rank}] error: MPI delivered wrong data") == 1, output
         assert f"[rank {rank}] HINT: " in output
     assert "Traceback" not in output and " right" not in output
+
+
+@pytest.mark.usefixtures("user_namespaces")
+def test_a_host_intel_mpi_bound_in_keeps_its_own_rules_and_sums_right(impi_prefix):
+    """A host MPI keeps its own single-copy settings: Intel MPI copes with ranks in separate
+    user namespaces by itself (a rootless Apptainer with Intel's library bound in)."""
+    status, output = _run_in_separate_namespaces(
+        {**IMPI_ENV, "LD_LIBRARY_PATH": str(impi_prefix / "lib")},
+        impi_prefix / "bin" / "mpiexec.hydra")
+    assert status == 0 and "(CMA) on " not in output, output  # not probed: not the bundled one
+    assert output.count(" right UCX_TLS=None") == 4 and "WRONG" not in output, output
 
 
 def test_the_job_key_is_the_launch_daemons_not_a_runtimes_between(tmp_path):
