@@ -61,8 +61,7 @@ class OpQueue {
     for (size_t i = 0; i < op.stages.size(); ++i) {
       MPI_Request q = MPI_REQUEST_NULL;
       check(op.stages[i](&q), op.name);
-      poll(&q, MPI_STATUS_IGNORE, op.name + where_,
-           op.timeout, spin_, *overdue_);
+      poll(&q, MPI_STATUS_IGNORE, op.name + where_, op.timeout, spin_, *overdue_);
     }
     if (op.finish) {
       at::NoGradGuard noGrad;  // the outputs may be leaves that require grad (parameters)
