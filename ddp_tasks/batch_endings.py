@@ -94,7 +94,8 @@ log_attempt() {{
 
 
 def _quiet_first(job: str) -> str:
-    return f"""# The nodes that went quiet first (their ranks killed, or the node lost), when no rank could
+    return f"""\
+# The nodes that went quiet first (their ranks killed, or the node lost), when no rank could
 # say: the ranks' records left in $ranks_dir (launcher.faults.rank_record). A record's first
 # line is its node; more lines are a traceback (a fatal signal ended the rank); a node's newest
 # record is when it was last known alive (one rank per node touches its record). Silent nodes
@@ -123,7 +124,8 @@ quiet_first() {{
 
 
 def _requeue_without(job: str) -> str:
-    return f"""# Requeue without the nodes $1 (comma-separated; none when empty) because of $2: exits the
+    return f"""\
+# Requeue without the nodes $1 (comma-separated; none when empty) because of $2: exits the
 # script, or returns 1 when this job used all its restarts (counted in the attempt log, so a
 # log that cannot be written means no requeue).
 requeue_without() {{
