@@ -114,12 +114,13 @@ def choose(env: JobEnv, bundled: tuple[Path, ...] | None = None,
     ``loaded``: the libmpis this process has loaded (default: ``mapped()``)."""
     if bundled is None:
         bundled = (BUNDLED_MPICH, BUNDLED_OPENMPI)
-    for path in mapped() if loaded is None else loaded:
+    loaded = mapped() if loaded is None else loaded
+    if loaded:
+        first = Path(loaded[0])
         # a bundled one by its own name, so that it is still known as bundled
-        named = next((str(b) for b in bundled if b.exists() and b.resolve() == Path(path)),
-                     path)
-        return MpiChoice(_abi_of(Path(path).name), named, "already loaded in this process "
-                         "(a torch built with MPI links it), which mpi4py takes first")
+        named = next((str(b) for b in bundled if b.exists() and b.resolve() == first), str(first))
+        return MpiChoice(_abi_of(first.name), named, "already loaded in this process (a torch "
+                         "built with MPI links it), which mpi4py takes first")
     if env.mpi4py_request:
         return MpiChoice("", "", f"{env.mpi4py_request} (set by the user)")
     bundled_dirs = {path.parent for path in bundled}
