@@ -21,7 +21,7 @@ import pytest
 
 from launcher.mpi import cma
 from launcher.placement.env import detect_environment
-from tests.fixtures.host_mpi import IMPI_ENV
+from tests.fixtures.host_mpi import IMPI_ENV, OPENMPI_ROOT_ENV
 from tests.fixtures.requirements import missing
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -133,12 +133,12 @@ def _separate_namespaces_work() -> bool:
             subprocess.run(["unshare", "-Ur", "true"], capture_output=True).returncode == 0)
 
 
-def _run_in_separate_namespaces(extra: dict[str, str],
-                                mpiexec: Path = MPIEXEC) -> tuple[int, str]:
+def _run_in_separate_namespaces(extra: dict[str, str], mpiexec: Path = MPIEXEC,
+                                timeout: float = 300) -> tuple[int, str]:
     environ = {k: v for k, v in os.environ.items() if not k.startswith(("MPIR_CVAR", "OMPI_"))}
     done = subprocess.run([str(mpiexec), "-n", "2", "unshare", "-Ur", sys.executable, "-c", SUMS],
                           env={**environ, **extra, "PYTHONPATH": str(ROOT)}, cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=timeout)
     return done.returncode, done.stdout + done.stderr
 
 
@@ -184,6 +184,22 @@ def test_a_host_intel_mpi_bound_in_keeps_its_own_rules_and_sums_right(impi_prefi
         impi_prefix / "bin" / "mpiexec.hydra")
     assert status == 0 and "(CMA) on " not in output, output  # not probed: not the bundled one
     assert output.count(" right UCX_TLS=None") == 4 and "WRONG" not in output, output
+
+
+@pytest.mark.usefixtures("user_namespaces")
+@pytest.mark.parametrize(("prefix", "decided"), [("openmpi4_prefix", True),
+                                                 ("openmpi_prefix", False)])
+def test_a_host_open_mpi_bound_in_sums_right_across_user_namespaces(request, prefix, decided):
+    """Open MPI 4.1.8 warns that CMA is not available and falls back to a mechanism whose
+    4 MiB all_reduce never completes: the launcher turns vader's single copy off ("none").
+    Open MPI 5 copes by itself and is left alone."""
+    prefix = request.getfixturevalue(prefix)
+    status, output = _run_in_separate_namespaces(
+        {**OPENMPI_ROOT_ENV, "LD_LIBRARY_PATH": str(prefix / "lib")},
+        prefix / "bin" / "mpiexec", timeout=120)
+    assert status == 0 and output.count(" right ") == 4 and "WRONG" not in output, output
+    assert ("off: the 2 local ranks are in 2 user" in output) == decided, output
+    assert "btl_vader_single_copy_mechanism" not in output  # Open MPI 4's warning
 
 
 def test_the_job_key_is_the_launch_daemons_not_a_runtimes_between(tmp_path):

@@ -251,10 +251,12 @@ def test_no_probe_where_there_is_nothing_to_decide(monkeypatch, bundled, unloade
     assert written.get(mpi_library.SMSC_VARIABLE) == environ.get(mpi_library.SMSC_VARIABLE)
 
 
+@pytest.mark.parametrize("name", ["libmpi.so.12", "libmpi.so.40"])
 def test_a_host_mpi_bound_in_keeps_its_own_single_copy_setting(monkeypatch, tmp_path, bundled,
-                                                               node_decision):
-    """Only the bundled MPIs are told: a host MPI's variables may mean something else."""
-    host = _library(tmp_path / "host", "libmpi.so.12")
+                                                               node_decision, name):
+    """Only the bundled MPIs (and Open MPI 4, above) are told: a host MPI's variables may mean
+    something else. Open MPI 5 copes with ranks in separate user namespaces by itself."""
+    host = _library(tmp_path / "host", name)
     monkeypatch.setattr(mpi_library, "_loaded", None)
     monkeypatch.setattr(mpi_library, "BUNDLED_MPICH", bundled[0])
     monkeypatch.delitem(mpi_library.sys.modules, "mpi4py.MPI", raising=False)
@@ -263,6 +265,24 @@ def test_a_host_mpi_bound_in_keeps_its_own_single_copy_setting(monkeypatch, tmp_
     env = detect_environment({**HYDRA, "LD_LIBRARY_PATH": str(host.parent)}, hostname="n1")
     assert mpi_library.load(env).path == str(host)
     assert node_decision == [] and mpi_library.CMA_VARIABLE not in written
+
+
+@pytest.mark.parametrize(("on", "expected"), [(False, "none"), (True, None)])
+def test_a_host_open_mpi_4_bound_in_has_its_vader_single_copy_off_where_cma_fails(
+        monkeypatch, tmp_path, unloaded, on, expected):
+    """Open MPI before 5 (ORTE beside its libmpi) hangs across user namespaces (test_cma.py);
+    where CMA works its own choice stays (it may have XPMEM or KNEM)."""
+    host = _library(tmp_path / "host", "libmpi.so.40")
+    _library(host.parent, "libopen-rte.so.40")
+    monkeypatch.setattr(mpi_library.cma, "node_decision", lambda env: cma.Decision(on, "why"))
+    written: dict[str, str] = {}
+    monkeypatch.setattr(settings.os, "environ", written)
+    env = detect_environment({**HYDRA, "LD_LIBRARY_PATH": str(host.parent)}, hostname="n1")
+    assert mpi_library.load(env).path == str(host)
+    assert written.get(mpi_library.VADER_SINGLE_COPY[0]) == expected
+    assert mpi_library.SMSC_VARIABLE not in written
+    decided = mpi_library.single_copy_decision()
+    assert decided is None if on else decided[0] is False and "off: why" in decided[1]
 
 
 @pytest.mark.parametrize(("size", "per_node", "user", "expected"), [
