@@ -29,7 +29,13 @@ import pytest
 
 from ddp_tasks.commands import Launch, container_argv, program_env
 from tests.fixtures.docker import COLD_BUILD_TIMEOUT
-from tests.fixtures.host_mpi import IMPI_ENV, IMPI_VERSION, OPENMPI_ROOT_ENV, OPENMPI_VERSION
+from tests.fixtures.host_mpi import (
+    IMPI_ENV,
+    IMPI_VERSION,
+    OPENMPI4_VERSION,
+    OPENMPI_ROOT_ENV,
+    OPENMPI_VERSION,
+)
 from tests.fixtures.mpi import REPO_ROOT, clean_environ, mpiexec_path
 
 pytestmark = [pytest.mark.runtime, pytest.mark.timeout(COLD_BUILD_TIMEOUT)]
@@ -273,6 +279,21 @@ def test_host_open_mpi_bound_in(ch_image, openmpi_prefix, tmp_path):
                  "compiled mpi backend on the MPICH ABI (libmpi.so.12): two MPI libraries "
                  "cannot share a process")
     equal_hashes(run_host([*mpirun, "launcher.train", *TRAIN], OPENMPI_ROOT_ENV))
+
+
+@pytest.mark.mpi
+def test_host_open_mpi_4_bound_in_with_a_user_namespace_per_rank(ch_image, openmpi4_prefix,
+                                                                 tmp_path):
+    """Open MPI 4's mpirun, one ch-run (one user namespace) per rank, its library bound in:
+    vader's single copy is turned off, without which the transfer check's 4 MiB all_reduce
+    never completes (tests/test_cma.py)."""
+    mpirun = [str(openmpi4_prefix / "bin" / "mpirun"), "-n", "2", "--oversubscribe", "ch-run",
+              "-b", f"{openmpi4_prefix / 'lib'}:{HOST_MPI_LIB}", "-b", f"{tmp_path}:{SCRATCH}",
+              f"--set-env=LD_LIBRARY_PATH={HOST_MPI_LIB}", str(ch_image), "--", "python", "-m"]
+    check = run_host([*mpirun, "launcher.check", "--backend", "mpi"], OPENMPI_ROOT_ENV)
+    passed_check(check, f"Open MPI v{OPENMPI4_VERSION}", f"{HOST_MPI_LIB}/libmpi.so.40", "pmix",
+                 "the Python mpi backend")
+    assert ": off: the 2 local ranks are in 2 user namespaces" in cma_line(check)
 
 
 @pytest.mark.mpi
