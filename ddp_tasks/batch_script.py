@@ -28,11 +28,16 @@ from launcher.core.run_files import EXIT_STATUS_FILE
 from launcher.placement.env import parse_signal
 
 __all__ = ["EXIT_STATUS_FILE", "TRAIN_RUN_DIR", "Batch", "batch_script", "node_range",
-           "submit_argv"]
+           "submit_argv", "time_limit_seconds"]
 
 _DIRECTIVE_UNSAFE = re.compile(r"[\s'\"\\]")
 #: the srun step's node count inside a range allocation: what the job was given this time
 _ALLOCATED_NODES = '"$SLURM_JOB_NUM_NODES"'
+#: Slurm's --time: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS
+_TIME = re.compile(r"(?:(\d+)-)?(\d+(?::\d+){0,2})?")
+_NO_LIMIT = {"-1", "INFINITE", "UNLIMITED"}
+#: Slurm may send --signal this many seconds earlier than asked (sbatch(1), --signal)
+_SIGNAL_EARLY = 60
 
 
 @dataclass(frozen=True)
@@ -41,7 +46,7 @@ class Batch:
 
     #: Slurm job name
     job_name: str = "ddp"
-    #: Slurm time limit
+    #: Slurm time limit (minutes, HH:MM:SS, D-HH:MM...); empty: the partition's default
     time: str = "01:00:00"
     #: Slurm partition (default: the cluster's)
     partition: str = ""
@@ -112,6 +117,26 @@ def node_range(text: str) -> tuple[int, int]:
     return int(match[1]), int(match[2] or 0)
 
 
+def time_limit_seconds(text: str) -> int | None:
+    """``--time`` as Slurm reads it (parse_time.c), in seconds rounded up to whole minutes as
+    Slurm keeps it; None for no limit (UNLIMITED, 0) or none given (the partition's)."""
+    text = text.strip()
+    if not text or text.upper() in _NO_LIMIT:
+        return None
+    match = _TIME.fullmatch(text)
+    if not match:
+        raise LaunchError(f"--time {text!r} is not a Slurm time limit",
+                          hint="pass minutes (90), HH:MM:SS (01:30:00) or D-HH:MM:SS (1-12:00:00)")
+    days, clock = match.groups()
+    fields = [int(field) for field in clock.split(":")] if clock else []
+    if days is not None:
+        hours, minutes, seconds = (*fields, 0, 0, 0)[:3]
+    else:  # one field is minutes, two minutes:seconds, three hours:minutes:seconds
+        hours, minutes, seconds = fields if len(fields) == 3 else (0, *fields, 0)[:3]
+    total = ((int(days or 0) * 24 + hours) * 60 + minutes) * 60 + seconds
+    return -(-total // 60) * 60 or None  # a limit of 0 is Slurm's "no limit"
+
+
 def _check(launch: Launch, batch: Batch, sweep: Sweep | None) -> None:
     if launch.launcher != "srun":
         raise LaunchError("a batch script launches with srun", hint="build it with --launcher srun")
@@ -119,6 +144,18 @@ def _check(launch: Launch, batch: Batch, sweep: Sweep | None) -> None:
         raise LaunchError(
             f"--signal-seconds {batch.signal_seconds} leaves no time to save a checkpoint",
             hint="pass --signal-seconds 60 or more: time to finish a step and write a checkpoint",
+        )
+    limit = time_limit_seconds(batch.time)
+    if limit is not None and batch.signal_seconds + _SIGNAL_EARLY >= limit:
+        minutes = (batch.signal_seconds + _SIGNAL_EARLY) // 60 + 1
+        shorter = (f", or --signal-seconds below {limit - _SIGNAL_EARLY}"
+                   if limit - _SIGNAL_EARLY > 1 else "")
+        raise LaunchError(
+            f"--signal-seconds {batch.signal_seconds} with --time {batch.time}: Slurm may send "
+            f"the signal up to {_SIGNAL_EARLY} s early, so it can come at the job's start: the "
+            "job would save nothing, exit 75 and be requeued again and again",
+            hint=f"pass a --time of {minutes} minutes or more for --signal-seconds "
+            f"{batch.signal_seconds}{shorter}",
         )
     if batch.max_restarts < 0:
         raise LaunchError(f"--max-restarts {batch.max_restarts} is negative",
@@ -150,7 +187,8 @@ def _directives(launch: Launch, batch: Batch, sweep: Sweep | None) -> list[str]:
         directives.append(f"--gpus-per-node={launch.gpus_per_node}")
     if launch.cpus_per_task:
         directives.append(f"--cpus-per-task={launch.cpus_per_task}")
-    directives.append(f"--time={batch.time}")
+    if batch.time.strip():
+        directives.append(f"--time={batch.time.strip()}")
     if batch.partition:
         directives.append(f"--partition={batch.partition}")
     if batch.account:
