@@ -17,7 +17,7 @@ import shlex
 
 from ddp_tasks.host_launchers import HostLauncher, Srun, host_launcher
 from ddp_tasks.launch_spec import Launch, choose
-from ddp_tasks.runtimes import RUNTIMES, Runtime
+from ddp_tasks.runtimes import RUNTIMES, Runtime, ShellText
 from launcher.core.errors import LaunchError
 from launcher.placement.env import parse_signal
 
@@ -51,12 +51,23 @@ def program_env(
 
     Rank, size and the rendezvous address are not here: launcher.env reads them from the
     launcher's own variables. MASTER_ADDR/MASTER_PORT and the interface are passed only when
-    given, because the right values depend on the site.
+    given, because the right values depend on the site. A DDP_PREEMPT_SIGNAL in ``extra``
+    must name the signal itself: ``invoke sbatch`` writes ``signal_name`` into ``#SBATCH
+    --signal``, and a signal the ranks do not catch ends them without a checkpoint.
     """
+    signal = parse_signal(signal_name, "--signal")
+    given = dict(extra).get("DDP_PREEMPT_SIGNAL", signal)
+    if parse_signal(given, "--env DDP_PREEMPT_SIGNAL") != signal:
+        raise LaunchError(
+            f"--env DDP_PREEMPT_SIGNAL={given} differs from the preemption signal {signal} "
+            "(--signal, or its default)",
+            hint=f"drop it from --env and pass --signal {given}: it sets DDP_PREEMPT_SIGNAL "
+            "and sbatch's --signal together",
+        )
     env = {
         "PYTHONUNBUFFERED": "1",
         "OMP_NUM_THREADS": str(omp_threads or 1),
-        "DDP_PREEMPT_SIGNAL": parse_signal(signal_name, "--signal"),
+        "DDP_PREEMPT_SIGNAL": signal,
     }
     if master_addr:
         env["MASTER_ADDR"] = master_addr
@@ -102,7 +113,7 @@ def validate(launch: Launch, runtime: Runtime, launcher: HostLauncher) -> None:
             hint=f"name one host per node, or pass --nodes {len(launch.hosts)}",
         )
     runtime.validate(launch)
-    launcher.validate(launch)
+    launcher.validate(launch, runtime)
 
 
 def program_argv(launch: Launch) -> list[str]:
@@ -131,5 +142,7 @@ def launch_segments(launch: Launch) -> list[list[str]]:
 
 
 def render(segments: list[list[str]]) -> str:
-    """Shell text of a command, one segment per line."""
-    return _SEGMENT_JOIN.join(shlex.join(segment) for segment in segments)
+    """Shell text of a command, one segment per line; a ``ShellText`` word stays unquoted."""
+    return _SEGMENT_JOIN.join(
+        " ".join(word if isinstance(word, ShellText) else shlex.quote(word) for word in segment)
+        for segment in segments)

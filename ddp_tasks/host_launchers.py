@@ -31,7 +31,7 @@ class HostLauncher:
     def env_args(self, env: Env) -> list[str]:
         raise NotImplementedError
 
-    def validate(self, launch: Launch) -> None:
+    def validate(self, launch: Launch, runtime: Runtime) -> None:
         """Raise LaunchError for what this launcher cannot do, naming the flag to change."""
 
 
@@ -40,7 +40,7 @@ class Mpirun(HostLauncher):
 
     name = "mpirun"
 
-    def validate(self, launch: Launch) -> None:
+    def validate(self, launch: Launch, runtime: Runtime) -> None:
         if launch.nodes > 1 and not (launch.hosts or launch.hostfile):
             raise LaunchError(
                 f"mpirun on {launch.nodes} nodes needs to know which nodes",
@@ -120,11 +120,12 @@ class Srun(HostLauncher):
     def env_args(self, env: Env) -> list[str]:
         return ["--export=" + ",".join(["ALL", *(f"{name}={value}" for name, value in env)])]
 
-    def validate(self, launch: Launch) -> None:
+    def validate(self, launch: Launch, runtime: Runtime) -> None:
         if launch.hostfile:
             raise LaunchError("srun takes no --hostfile",
                               hint="pass --hosts a,b (becomes --nodelist)")
-        for name, value in launch.env:
+        # only what goes through --export: ch-run's --set-env and podman-hpc's -e take commas
+        for name, value in runtime.launcher_env(list(launch.env)):
             if "," in value:
                 raise LaunchError(
                     f"srun cannot pass {name}={value!r}: --export splits its list at commas",

@@ -36,6 +36,12 @@ if TYPE_CHECKING:
 Env = list[tuple[str, str]]
 
 
+class ShellText(str):
+    """A word that ``commands.render`` writes as it is, not quoted, for the shell that runs the
+    line (the batch script's, or ``invoke run``'s) to expand: its variables are known only when
+    the command runs. What is not to be expanded in it must be quoted already."""
+
+
 class Runtime:
     """``none``: the program runs on the host, its variables set by the launcher."""
 
@@ -125,15 +131,21 @@ class Charliecloud(Runtime):
         return ["ch-run", *self.join_args(launch), *self.options(launch), "--set-env", *ours,
                 launch.image or self.default_image, "--"]
 
-    @staticmethod
-    def join_args(launch: Launch) -> list[str]:
+    #: under srun: the job, its attempt (a requeue is a new one) and the shell that runs the
+    #: line, expanded by that shell. ch-run takes a tag as written and srun starts it with no
+    #: shell, so the step's SLURM_STEP_ID, unknown before srun, cannot be part of it.
+    SRUN_JOIN_TAG = ShellText('--join-tag="ddp-$SLURM_JOB_ID.${SLURM_RESTART_COUNT:-0}.$$"')
+
+    def join_args(self, launch: Launch) -> list[str]:
         """One container per node, not per rank, so that MPI's single-copy transfers work
         between its ranks (launcher/mpi/cma.py). ch-run counts its peers from srun's or Open MPI's
-        variables, not Hydra's: the count is given. The group's tag stays ch-run's own:
-        SLURM_STEP_ID under srun, else the pid of ch-run's parent, the launcher's daemon of
-        this job on this node (Hydra's proxy, prted); a tag in printed text would be shared by
-        every job that runs the same line."""
-        return [f"--join-ct={launch.procs_per_node}"]
+        variables, not Hydra's: the count is given. Under mpirun the group's tag stays ch-run's
+        own, the pid of its parent: the launcher's daemon of this job on this node (Hydra's
+        proxy, prted). Under srun ch-run's own is SLURM_STEP_ID, 0 in every job: jobs sharing a
+        node would join each other, and a join lock that a failed ch-run left behind would stop
+        every later job there."""
+        count = f"--join-ct={launch.procs_per_node}"
+        return [self.SRUN_JOIN_TAG, count] if launch.launcher == "srun" else [count]
 
 
 class Pyxis(Runtime):

@@ -409,6 +409,91 @@ def test_bad_launch(launch, cause):
     assert error.value.hint
 
 
+@pytest.mark.parametrize("runtime", ["charliecloud", "podman-hpc"])
+def test_srun_passes_commas_that_do_not_go_through_export(runtime):
+    """ch-run's --set-env and podman-hpc's -e carry the variables, not srun's --export."""
+    launch = Launch(launcher="srun", runtime=runtime,
+                    env=program_env("USR1", ifname="ib0,ib1",
+                                    extra=(("NCCL_IB_HCA", "mlx5_0,mlx5_1"),)))
+    line = render(launch_segments(launch))
+    assert "NCCL_IB_HCA=mlx5_0,mlx5_1 " in line and "NCCL_SOCKET_IFNAME=ib0,ib1 " in line
+    assert "--export=ALL \\\n" in line
+
+
+@pytest.mark.parametrize(("runtime", "name"), [("apptainer", "APPTAINERENV_NCCL_IB_HCA"),
+                                               ("pyxis", "NCCL_IB_HCA"), ("none", "NCCL_IB_HCA")])
+def test_srun_refuses_commas_that_go_through_export(runtime, name):
+    launch = Launch(launcher="srun", runtime=runtime, env=(("NCCL_IB_HCA", "mlx5_0,mlx5_1"),))
+    with pytest.raises(LaunchError, match="--export splits its list at commas") as error:
+        launch_segments(launch)
+    assert error.value.message.startswith(f"srun cannot pass {name}=")
+    assert error.value.hint.startswith(f"export {name} in your shell")
+
+
+def test_env_preempt_signal_must_be_the_signal():
+    """--env DDP_PREEMPT_SIGNAL beside another --signal: Slurm would send a signal the ranks
+    do not catch, and it would end them without a checkpoint."""
+    for same in ("USR2", "sigusr2"):
+        env = dict(program_env("USR2", extra=(("DDP_PREEMPT_SIGNAL", same),)))
+        assert env["DDP_PREEMPT_SIGNAL"] == same
+    with pytest.raises(LaunchError) as error:
+        program_env("USR1", extra=(("DDP_PREEMPT_SIGNAL", "USR2"),))
+    assert error.value.message == ("--env DDP_PREEMPT_SIGNAL=USR2 differs from the preemption "
+                                   "signal USR1 (--signal, or its default)")
+    assert "--signal USR2" in error.value.hint
+
+
+@pytest.mark.parametrize("task", [["run", "--dry-run", "--launcher", "srun"], ["sbatch"]])
+def test_cli_refuses_env_preempt_signal_unlike_signal(tmp_path, task):
+    """`invoke run` and `invoke sbatch` alike, with --signal left at its default."""
+    result = invoke(*task, "--runtime", "none", "--env", "DDP_PREEMPT_SIGNAL=USR2", cwd=tmp_path)
+    assert result.returncode == EXIT_USER_ERROR, result.stdout + result.stderr
+    assert result.stderr.startswith("error: --env DDP_PREEMPT_SIGNAL=USR2 differs"), result.stderr
+    assert "\nHINT: " in result.stderr
+    assert list(tmp_path.iterdir()) == []
+    agreed = invoke(*task, "--runtime", "none", "--signal", "USR2",
+                    "--env", "DDP_PREEMPT_SIGNAL=USR2", cwd=tmp_path)
+    assert agreed.returncode == 0, agreed.stderr
+
+
+# -- ch-run's join tag ------------------------------------------------------------------------
+
+CH_SRUN = Launch(nodes=2, procs_per_node=2, launcher="srun", runtime="charliecloud",
+                 image="/var/tmp/ddp-cpu", env=program_env("USR1"))
+
+
+def test_ch_run_under_mpirun_keeps_its_own_join_tag():
+    """Hydra's proxy or prted is ch-run's parent, one per job and node: its pid is the tag."""
+    launch = replace(CH_SRUN, launcher="mpirun", hosts=("a", "b"))
+    prefix = launch_segments(launch)[-2]
+    assert prefix[:2] == ["ch-run", "--join-ct=2"]
+    assert not any(arg.startswith("--join-tag") for arg in prefix)
+
+
+@pytest.mark.parametrize("restarts", [None, "2"])
+def test_ch_run_under_srun_joins_the_group_of_this_job_and_attempt(tmp_path, restarts):
+    """The batch shell expands the tag: the job id, its attempt and the shell's pid, so that
+    two jobs on a node (or a ch-run lock that a failed attempt left behind) share no group."""
+    stubs = _stubs(tmp_path, {"srun": 'printf "%s\\n" "$@" >> "$STUB_LOG/srun"; exit 0'})
+    script = tmp_path / "job.sh"
+    script.write_text(batch_script(CH_SRUN, Batch()))
+    env = {**os.environ, "PATH": _on_path(stubs), "STUB_LOG": str(tmp_path),
+           "SLURM_JOB_ID": "4242"}
+    env.pop("SLURM_RESTART_COUNT", None)
+    if restarts:
+        env["SLURM_RESTART_COUNT"] = restarts
+    result = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True,
+                            cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    argv = (tmp_path / "srun").read_text().splitlines()
+    tags = [arg for arg in argv if arg.startswith("--join-tag=")]
+    assert len(tags) == 1, argv
+    job, attempt, shell = tags[0].removeprefix("--join-tag=ddp-").split(".")
+    assert (job, attempt) == ("4242", restarts or "0") and shell.isdigit(), tags
+    assert argv[argv.index(tags[0]) - 1] == "ch-run"
+    assert argv[argv.index(tags[0]) + 1] == "--join-ct=2"
+
+
 @pytest.mark.parametrize(
     ("batch", "cause"),
     [
@@ -438,6 +523,8 @@ def test_bad_env_and_signal():
         (["run", "--dry-run", "--hosts", "a[1-"], "is not a Slurm host list"),
         (["run", "--dry-run", "--env", "novalue"], "is not NAME=VALUE"),
         (["sbatch", "--runtime", "docker"], "--runtime docker cannot be started by srun"),
+        (["sbatch", "--time", "00:05:00", "--signal-seconds", "300"], "at the job's start"),
+        (["sbatch", "--time", "1h"], "--time '1h' is not a Slurm time limit"),
     ],
 )
 def test_cli_errors_name_cause_and_hint(argv, cause, tmp_path):
