@@ -19,6 +19,7 @@ from invoke.exceptions import Exit
 from ddp_tasks import batch_script, commands, sif_file, sif_mount, sweep
 from ddp_tasks.batch_script import Batch
 from ddp_tasks.launch_spec import Launch
+from ddp_tasks.runtimes import ShellText
 from ddp_tasks.task_errors import user_errors
 from ddp_tasks.task_params import documented
 from launcher.core.defaults import PREEMPT_SIGNAL
@@ -210,8 +211,10 @@ def sbatch(c, nodes=str(LAUNCH.nodes), procs_per_node=LAUNCH.procs_per_node, run
         sif = _sif_for_charliecloud(launch)
         if sif:
             # every node mounts the partition before the ranks start, and unmounts at exit
-            setup = [*(setup or ()), *sif_file.batch_mount_lines(str(sif[0].resolve()), *sif[1:])]
-            launch = replace(launch, image=sif[2])
+            setup = [*(setup or ()), *sif_file.batch_mount_lines(
+                str(sif[0].resolve()), *sif[1:], ignore=_signal(signal))]
+            # the ranks' image: the mount point, as the script's shell expands it
+            launch = replace(launch, image=ShellText(f'"{sif_file.IN_SCRIPT}"'))
         text = batch_script.batch_script(launch, batch_script.Batch(
             job_name=job_name, time=time, partition=partition, account=account,
             signal=_signal(signal),

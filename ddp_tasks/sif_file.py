@@ -75,8 +75,9 @@ def primary_partition(found: list[Descriptor]) -> Descriptor:
 # --------------------------------------------------------------------- mounting the partition
 
 def mount_point(digest: str, directory: str = "/tmp") -> str:
-    """Where the partition is mounted on a node: named after its digest, so jobs that read the
-    same bytes share one mount, and a new build never replaces what a running job sees."""
+    """Where the partition is mounted on a node: named after its digest, so that runs of
+    ``invoke run`` that read the same bytes share one mount, and a new build never replaces
+    what a running job sees (a batch job's is its own: ``batch_mount_point``)."""
     return f"{directory}/ddp-sif-{digest[:16]}"
 
 
@@ -98,18 +99,46 @@ _ON_EVERY_NODE = ('srun --nodes="$SLURM_JOB_NUM_NODES" --ntasks="$SLURM_JOB_NUM_
 MOUNT_WAIT_S = 60
 
 
-def batch_mount_lines(sif: str, offset: int, mountpoint: str) -> list[str]:
+def batch_mount_point(mountpoint: str) -> str:
+    """``mountpoint`` of this job and attempt, as the batch script's shell expands it. Never
+    shared with another job: one job's end would unmount it under the other's ranks, or wait
+    for it (busy) until the time limit, and another user may not enter it."""
+    return f"{mountpoint}-$SLURM_JOB_ID.${{SLURM_RESTART_COUNT:-0}}"
+
+
+#: how the batch script's lines name the mount point, which ``batch_mount_lines`` sets
+IN_SCRIPT = "$sif_mount"
+
+
+def batch_mount_lines(sif: str, offset: int, mountpoint: str, ignore: str) -> list[str]:
     """Batch script lines: every node of the job mounts the partition before the ranks start,
-    and unmounts it when the script exits (requeue included). squashfuse runs in the
+    and unmounts it when the script exits; the step that served it then removes its directory,
+    as it does when Slurm ends it first (a requeue). squashfuse runs in the
     foreground, as a job step of its own: a daemon left behind by an ended step would be killed
-    with it where Slurm tracks processes by cgroup. A node that has it mounted already (another
-    job of the same bytes) shares that mount."""
-    where = shlex.quote(mountpoint)
-    serve = (f"mkdir -p {where} && {{ mountpoint -q {where} || "
-             f"exec {shlex.join(mount_command(sif, offset, mountpoint, foreground=True))}; }}")
-    ready = (f"for i in $(seq {MOUNT_WAIT_S}); do mountpoint -q {where} && exit 0; sleep 1; "
+    with it where Slurm tracks processes by cgroup. Slurm sends the preemption signal
+    ``ignore`` to every step, this one too (no "B:"), and squashfuse would die of it, its
+    mount with it, as the ranks write their checkpoint: it ignores that signal. Nodes of the
+    job that share one /tmp (several slurmd on one host) share one mount."""
+    mount = [*map(shlex.quote, mount_command(sif, offset, "", foreground=True)[:-1]), '"$1"']
+    # sh outlives a TERM (Slurm ending the step) to remove the directory once squashfuse,
+    # which has TERM's default and so libfuse's handler, has unmounted and ended
+    survive = "" if ignore == "TERM" else " trap : TERM;"
+    serve = (f"trap \"\" {ignore};{survive} mkdir -p \"$1\" && "
+             f"{{ mountpoint -q \"$1\" || {{ {' '.join(mount)}; rmdir \"$1\"; }}; }}")
+    ready = (f"for i in $(seq {MOUNT_WAIT_S}); do mountpoint -q \"$1\" && exit 0; sleep 1; "
              "done; exit 1")
-    unmount = f"{_ON_EVERY_NODE} {shlex.join(unmount_command(mountpoint))} 2>/dev/null; wait"
-    return [f"{_ON_EVERY_NODE} sh -c {shlex.quote(serve)} &",
-            f"trap {shlex.quote(unmount)} EXIT",
-            f"{_ON_EVERY_NODE} sh -c {shlex.quote(ready)} || exit 1"]
+    unmount = " ".join(unmount_command('"$1"'))
+    unmount = f"{_on_every_node(unmount)} 2>/dev/null; wait"
+    return [f"sif_mount=\"{batch_mount_point(mountpoint)}\"", _UNEXPANDED,
+            f"{_on_every_node(serve)} &",
+            f"trap {shlex.quote(unmount)} EXIT", _UNEXPANDED,
+            f"{_on_every_node(ready)} || exit 1"]
+
+
+#: before each ``sh -c '...$1...'`` line: the single quotes are meant, sh expands ``$1``
+_UNEXPANDED = "# shellcheck disable=SC2016"
+
+
+def _on_every_node(command: str) -> str:
+    """``command`` in sh on every node of the job, the mount point its ``$1``."""
+    return f"{_ON_EVERY_NODE} sh -c {shlex.quote(command)} sh \"{IN_SCRIPT}\""

@@ -15,6 +15,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -95,6 +96,47 @@ def test_a_file_that_is_no_sif_is_refused(tmp_path):
     (tmp_path / "x.sif").write_bytes(b"\0" * sif_file.HEAD_BYTES)
     with pytest.raises(LaunchError, match="not a SIF file"):
         sif_mount.read_descriptors(tmp_path / "x.sif")
+
+
+#: srun as the batch script's mount lines use it, on this one node: its options dropped
+ONE_NODE_SRUN = '#!/bin/sh\nwhile [ "${1#-}" != "$1" ]; do shift; done\nexec "$@"\n'
+
+
+@pytest.mark.parametrize(("signal", "step_ends"), [("USR1", False), ("TERM", False),
+                                                  ("USR1", True)])
+def test_the_batch_mount_outlives_the_preemption_signal_and_leaves_nothing(tmp_path, signal,
+                                                                          step_ends):
+    """The batch script's mount lines, run by bash with srun standing in on this node. Slurm
+    sends the preemption signal to every step, the mount's too: its squashfuse must not die of
+    it (the ranks are writing their checkpoint from the image). At the script's exit, or when
+    Slurm ends the step first (TERM to its processes: a requeue), the mount and its directory,
+    the job's and attempt's own, are gone."""
+    sif_mount.require({**sif_mount.MOUNT_TOOLS, "mksquashfs": "squashfs-tools"}, "this test")
+    content, image, bin_dir = tmp_path / "content", tmp_path / "image.sqfs", tmp_path / "bin"
+    content.mkdir()
+    (content / "f").write_text("from the image\n")
+    subprocess.run(["mksquashfs", str(content), str(image), "-quiet", "-noappend"], check=True,
+                   timeout=60)
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(ONE_NODE_SRUN)
+    (bin_dir / "srun").chmod(0o755)
+    lines = sif_file.batch_mount_lines(str(image), 0, str(tmp_path / "ddp-sif-x"), signal)
+    step = 'kill -{0} "$serve"; pkill -{0} -f "^squashfuse -f .* $sif_mount$"'
+    script = "\n".join([*lines, "serve=$!", 'cat "$sif_mount/f"', step.format(signal),
+                        "sleep 1", 'cat "$sif_mount/f"', 'echo "mounted at $sif_mount"',
+                        *([step.format("TERM"), 'wait "$serve"', 'ls -d "$sif_mount"']
+                          if step_ends else []), ""])
+    done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+                               "SLURM_JOB_ID": "42", "SLURM_JOB_NUM_NODES": "1"})
+    report = done.stdout + done.stderr
+    assert done.stdout.count("from the image") == 2, report
+    assert f"mounted at {tmp_path}/ddp-sif-x-42.0" in done.stdout, report
+    if step_ends:  # gone before the script's own end
+        assert "ls: cannot access" in done.stderr, report
+    else:
+        assert done.returncode == 0, report
+    assert [path.name for path in tmp_path.iterdir() if path.name.startswith("ddp-sif")] == []
 
 
 # -- the file ----------------------------------------------------------------------------------
@@ -239,4 +281,60 @@ def test_sbatch_charliecloud_mounts_the_sif_on_each_node_and_unmounts(slurm_clus
     assert (result.state, result.exit_code) == ("COMPLETED", "0:0"), text
     assert "check passed" in text and "Open MPI v" in text, text
     _, _, digest = sif_mount.partition_of(cpu_sif.path)
-    assert not os.path.ismount(sif_file.mount_point(digest)), "the job left its mount behind"
+    mounted = Path(sif_file.mount_point(digest))
+    assert list(mounted.parent.glob(f"{mounted.name}-{job}.*")) == [], "the job left its mount"
+
+
+def _sbatch_script(tmp_path: Path, sif: Path, name: str, train_args: str) -> Path:
+    script = tmp_path / f"{name}.sbatch"
+    subprocess.run(
+        [*INVOKE, "-r", str(ic.ROOT), "sbatch", "--runtime", "charliecloud", "--image",
+         str(sif), "--procs-per-node", "2", "--bind", f"{tmp_path}:{SCRATCH}",
+         "--job-name", name, "--output", str(tmp_path / "%x-%j.out"), "--script", str(script),
+         "--directive", "comment=ddp-test", "--setup", "echo setup line ran",
+         "--args", f"--backend mpi {train_args} --data-dir {SCRATCH}/data"],
+        check=True, capture_output=True, text=True, timeout=60)
+    return script
+
+
+@pytest.mark.runtime
+@pytest.mark.slurm
+def test_sbatch_from_the_sif_requeues_and_resumes_to_the_same_model(slurm_cluster, cpu_sif,
+                                                                    tmp_path):
+    """USR1 -> every rank checkpoints and exits 75 -> the script requeues -> the job resumes
+    and ends with the weights of an uninterrupted job. Slurm sends USR1 to the SIF's mount
+    step too: the mount outlives it, and each attempt's mount is gone at its end."""
+    train = "--epochs 40 --checkpoint-every 20 --log-every 20"
+    whole = slurm_cluster.sbatch(
+        _sbatch_script(tmp_path, cpu_sif.path, "whole", f"{train} --run-dir {SCRATCH}/whole"),
+        env=_user_env())
+    assert slurm_cluster.wait_job(whole, timeout=RUN_TIMEOUT).state == "COMPLETED", \
+        (tmp_path / f"whole-{whole}.out").read_text()
+    whole_out = (tmp_path / f"whole-{whole}.out").read_text()
+    expected = equal_hashes(subprocess.CompletedProcess([], 0, whole_out, ""))
+    assert "setup line ran" in whole_out
+
+    job_id = slurm_cluster.sbatch(
+        _sbatch_script(tmp_path, cpu_sif.path, "cut", f"{train} --run-dir {SCRATCH}/cut"),
+        env=_user_env())
+    assert slurm_cluster.job_fields(job_id)["Comment"] == "ddp-test"  # --directive reached sbatch
+    deadline = time.monotonic() + RUN_TIMEOUT
+    while not list((tmp_path / "cut" / "checkpoints").glob("ckpt-*.pt")):
+        assert time.monotonic() < deadline, "the job saved no checkpoint"
+        assert slurm_cluster.job_fields(job_id)["JobState"] in {"PENDING", "RUNNING"}
+        time.sleep(0.2)
+    # what Slurm does --signal-seconds before the time limit, now: USR1 to every step
+    subprocess.run(["scancel", "--signal=USR1", str(job_id)], env=slurm_cluster.env,
+                   check=True, timeout=30)
+    result = slurm_cluster.wait_job(job_id, timeout=RUN_TIMEOUT)
+    output = (tmp_path / f"cut-{job_id}.out").read_text()
+    assert result.state == "COMPLETED", output
+    assert slurm_cluster.job_fields(job_id)["Restarts"] == "1", output
+    assert f"job {job_id} preempted (exit 75): requeueing" in output
+    assert re.search(r"resuming from \S+ckpt-\d+\.pt \(step [1-9]", output), output
+    assert "Transport endpoint is not connected" not in output, output
+    assert equal_hashes(subprocess.CompletedProcess([], 0, output, "")) == expected
+    _, _, digest = sif_mount.partition_of(cpu_sif.path)
+    left = list(Path(sif_file.mount_point(digest)).parent.glob(
+        f"{Path(sif_file.mount_point(digest)).name}-{job_id}.*"))
+    assert left == [], "an attempt left its mount point behind"
