@@ -4,10 +4,14 @@ before anything is written, writes are atomic, the newest valid one wins."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import random
 import signal
 import subprocess
 import sys
+import threading
+import zipfile
 
 import numpy as np
 import pytest
@@ -74,11 +78,62 @@ def test_state_resume_could_not_load_is_refused_and_nothing_written(tmp_path, st
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("state, where, kind", [
+    ({"sync": {"lock": threading.Lock()}}, "state['sync']['lock']", "_thread.lock"),
+    ({"schedule": lambda step: 0.1 * step}, "state['schedule']", "builtins.function"),
+], ids=["lock", "lambda"])
+def test_state_pickle_cannot_save_is_refused_and_nothing_written(tmp_path, state, where, kind):
+    with pytest.raises(UnloadableState) as info:
+        checkpoint.save(tmp_path, 1, state, keep=3)
+    assert f"{where} ({kind}) cannot be saved by torch.save (" in info.value.message
+    assert info.value.hint.startswith("save tensors, numbers, strings")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_no_single_byte_change_gets_past_decode_as_another_error():
+    """torch.load raises more than its documented errors when one byte of the pickle changes
+    (AssertionError, AttributeError, struct.error): each must be a CorruptCheckpoint, which
+    --resume auto skips, not a crash. Every byte of the pickle (data.pkl, stored verbatim) set
+    to each opcode that raised one of them (J K M Q)."""
+    data = checkpoint.encode({"w": torch.zeros(3)})
+    with zipfile.ZipFile(io.BytesIO(data)) as archive:
+        pickled = archive.read(next(n for n in archive.namelist() if n.endswith("/data.pkl")))
+    start = data.index(pickled)
+    for at in range(start, start + len(pickled)):
+        for value in b"JKMQ":
+            with contextlib.suppress(CorruptCheckpoint):
+                checkpoint.decode(data[:at] + bytes([value]) + data[at + 1:], f"byte {at}")
+
+
 def test_keep_deletes_the_oldest(tmp_path):
     for step in (5, 10, 15, 20):
         checkpoint.save(tmp_path, step, STATE, keep=2)
     assert [p.name for p in checkpoint.list_checkpoints(tmp_path)] == [
         "ckpt-00000015.pt", "ckpt-00000020.pt"]
+
+
+def test_a_save_drops_later_steps_and_never_the_file_it_wrote(tmp_path):
+    """Resumed from step 2 into a directory holding a later timeline (6, 7, 8): the save of
+    step 3 removes that timeline, saying so, and keeps itself and the newest before it."""
+    for step in (1, 2, 6, 7, 8):
+        checkpoint.save(tmp_path, step, STATE, keep=5)
+    said: list[str] = []
+    checkpoint.save(tmp_path, 3, STATE, keep=2, warn=said.append)
+    assert [p.name for p in checkpoint.list_checkpoints(tmp_path)] == [
+        "ckpt-00000002.pt", "ckpt-00000003.pt"]
+    assert len(said) == 1 and "later steps (6, 7, 8)" in said[0], said
+    assert "step 3 was just saved" in said[0] and "resuming from an earlier step" in said[0]
+    checkpoint.save(tmp_path, 3, STATE, keep=1, warn=said.append)  # nothing later: no line
+    assert [p.name for p in checkpoint.list_checkpoints(tmp_path)] == ["ckpt-00000003.pt"]
+    assert len(said) == 1
+
+
+def test_steps_past_eight_digits_are_listed_in_order(tmp_path):
+    for step in (99_999_999, 10**8):
+        checkpoint.save(tmp_path, step, STATE, keep=3)
+    assert [p.name for p in checkpoint.list_checkpoints(tmp_path)] == [
+        "ckpt-99999999.pt", "ckpt-100000000.pt"]
+    assert checkpoint.newest_valid(tmp_path, print) == tmp_path / "ckpt-100000000.pt"
 
 
 def test_newest_valid_skips_damaged_with_a_warning(tmp_path):
@@ -176,6 +231,19 @@ def test_rng_states_round_trip_through_a_file(tmp_path):
     assert torch.equal(expected[0], again[0])
     assert np.array_equal(expected[1], again[1]) and expected[2] == again[2]
 
+
+
+def test_python_random_state_is_one_tensor_and_the_format_2_tuple_still_restores():
+    cpu = torch.device("cpu")
+    random.seed(3)
+    state = checkpoint.capture_rng(cpu)
+    version, internal, gauss = state["python"]
+    assert internal.dtype == torch.int64 and internal.shape == (625,)
+    expected = random.random()
+    for python in (state["python"], (version, tuple(internal.tolist()), gauss)):
+        random.seed(9)
+        checkpoint.restore_rng({**state, "python": python}, cpu)
+        assert random.random() == expected
 
 
 def test_rng_of_another_world_size_is_reseeded_per_rank_and_reproducibly():

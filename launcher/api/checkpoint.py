@@ -8,17 +8,18 @@ file that is truncated, or altered in anything it holds, is never loaded; a byte
 nothing loaded (zip padding, say) is harmless.
 
 ``encode`` loads what it wrote back, the way ``load`` will, before anything is written: state
-that would fail there (an ``argparse.Namespace``, a numpy array) is refused when saved, naming
-the key, not found after a preemption. Files are written under a temporary name in the same
-directory, fsynced, renamed and the directory fsynced, so a reader sees either no file or the
-whole file. Only rank 0 writes.
+that would fail there (an ``argparse.Namespace``, a numpy array), or that pickle cannot save (a
+lock, a lambda), is refused when saved, naming the key, not found after a preemption. Files are
+written under a temporary name in the same directory, fsynced, renamed and the directory
+fsynced, so a reader sees either no file or the whole file. Only rank 0 writes; a save also
+removes the checkpoints of later steps, which belong to a timeline the run left by resuming
+from an earlier one (``save``).
 """
 
 from __future__ import annotations
 
 import hashlib
 import io
-import pickle
 import random
 import re
 from collections.abc import Callable
@@ -31,12 +32,12 @@ from launcher.core.atomic import write_atomic
 from launcher.core.errors import LaunchError
 
 #: the layout of the keys ``launcher.api.job`` and ``launcher.train`` write (docs/training.md)
-FORMAT = 2
+FORMAT = 3
+#: the formats this version resumes from: 2 held Python's random state as 625 ints
+READABLE = (2, 3)
 DIGEST_KEY = "sha256"
-_NAME = re.compile(r"^ckpt-(\d{8})\.pt$")
-#: what torch.load raises on bytes that are not (or no longer) a whole torch.save file
-_UNREADABLE = (RuntimeError, OSError, EOFError, ValueError, KeyError, IndexError, TypeError,
-               pickle.UnpicklingError)
+#: 8 digits or more: ``checkpoint_name`` pads to 8 and writes step 10**8 with 9
+_NAME = re.compile(r"^ckpt-(\d{8,})\.pt$")
 
 
 class CorruptCheckpoint(LaunchError):
@@ -79,20 +80,26 @@ def _feed(digest, value: object) -> None:
 
 def encode(state: dict) -> bytes:
     """The file contents for ``state`` (its digest added), checked to load back as resume loads
-    them; an ``UnloadableState`` naming the first value that would not."""
+    them; an ``UnloadableState`` naming the first value that cannot be saved or loaded back."""
     buffer = io.BytesIO()
-    torch.save({**state, DIGEST_KEY: content_digest(state)}, buffer)
+    try:
+        torch.save({**state, DIGEST_KEY: content_digest(state)}, buffer)
+    except Exception as exc:  # pickling runs the values' own code: a lock, a lambda, anything
+        raise _refused(state, f"cannot be saved by torch.save ({_said(exc)})") from None
     data = buffer.getvalue()
     try:
         decode(data, "the state")
     except CorruptCheckpoint:
-        raise UnloadableState(f"job.save: {_first_unloadable('state', state)} cannot be loaded "
-                              "back with torch.load(weights_only=True), so resume would fail",
-                              hint="save tensors, numbers, strings, lists, tuples and dicts "
-                              "only: vars(args) for an argparse.Namespace, torch.from_numpy(a) "
-                              "or a.tolist() for a numpy array, .item() for a numpy "
-                              "scalar") from None
+        raise _refused(state, "cannot be loaded back with torch.load(weights_only=True), so "
+                       "resume would fail") from None
     return data
+
+
+def _refused(state: dict, why: str) -> UnloadableState:
+    return UnloadableState(f"job.save: {_first_unloadable('state', state)} {why}",
+                           hint="save tensors, numbers, strings, lists, tuples and dicts only: "
+                           "vars(args) for an argparse.Namespace, torch.from_numpy(a) or "
+                           "a.tolist() for a numpy array, .item() for a numpy scalar")
 
 
 def _first_unloadable(where: str, value: object) -> str:
@@ -110,7 +117,7 @@ def _round_trips(value: object) -> bool:
     try:
         torch.save(value, buffer)
         torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
-    except (*_UNREADABLE, AttributeError, pickle.PicklingError):
+    except Exception:  # whatever saving or loading raises, as in encode and decode
         return False
     return True
 
@@ -120,11 +127,9 @@ def decode(data: bytes, source: str, map_location: torch.device | str = "cpu") -
     hint = f"delete {source}, or resume from an older checkpoint"
     try:
         state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    except _UNREADABLE as exc:
-        # torch's own text goes on for lines about weights_only; its first sentence says it
-        first = (str(exc).strip() or type(exc).__name__).splitlines()[0].split(". ")[0]
+    except Exception as exc:  # damaged bytes raise anything (AssertionError, struct.error...)
         raise CorruptCheckpoint(f"{source} is truncated, damaged or not a checkpoint "
-                                f"({len(data)} bytes; torch.load: {first})",
+                                f"({len(data)} bytes; torch.load: {_said(exc)})",
                                 hint=hint) from None
     if not isinstance(state, dict) or DIGEST_KEY not in state:
         raise CorruptCheckpoint(f"{source} is not a launcher checkpoint (no {DIGEST_KEY!r} key)",
@@ -132,6 +137,11 @@ def decode(data: bytes, source: str, map_location: torch.device | str = "cpu") -
     if content_digest(state) != state[DIGEST_KEY]:
         raise CorruptCheckpoint(f"{source} fails its SHA-256 check (damaged)", hint=hint)
     return state if torch.device(map_location).type == "cpu" else _to(state, map_location)
+
+
+def _said(exc: Exception) -> str:
+    # torch's own text goes on for lines about weights_only; its first sentence says it
+    return (str(exc).strip() or type(exc).__name__).splitlines()[0].split(". ")[0]
 
 
 def _to(value: object, device: torch.device | str) -> object:
@@ -144,11 +154,27 @@ def _to(value: object, device: torch.device | str) -> object:
     return value
 
 
-def save(directory: Path, step: int, state: dict, keep: int) -> Path:
-    """Write ``state`` as the checkpoint of ``step`` and delete all but the newest ``keep``."""
+def save(directory: Path, step: int, state: dict, keep: int,
+         warn: Callable[[str], None] = print) -> Path:
+    """Write ``state`` as the checkpoint of ``step``, then delete the checkpoints of later steps
+    (``warn(text)`` names them) and all but the newest ``keep`` of the rest, never this one.
+
+    A later step's checkpoint belongs to a timeline the run left: it resumed from an earlier
+    one (``--resume PATH``, or a newer one damaged). Kept, it would outrank this run's own in
+    ``newest_valid`` (the next ``--resume auto`` would go back to the abandoned timeline), and
+    count against ``keep``, pruning this run's newest instead."""
     path = directory / checkpoint_name(step)
     write_atomic(path, encode(state))
-    for old in list_checkpoints(directory)[:-keep]:
+    found = list_checkpoints(directory)
+    left = [p for p in found if _step_of(p) > step]
+    for stale in left:
+        stale.unlink(missing_ok=True)
+    if left:
+        dropped = ", ".join(str(_step_of(p)) for p in left)
+        warn(f"removed the checkpoints of later steps ({dropped}) from {directory}: step {step} "
+             "was just saved, and they belong to the timeline this run left by resuming from an "
+             "earlier step")
+    for old in found[:len(found) - len(left)][:-keep]:
         old.unlink(missing_ok=True)
     return path
 
@@ -168,8 +194,12 @@ def list_checkpoints(directory: Path) -> list[Path]:
     """Checkpoint files in ``directory``, oldest first (temporary files are never listed)."""
     if not directory.is_dir():
         return []
-    found = [p for p in directory.iterdir() if _NAME.match(p.name)]
-    return sorted(found, key=lambda p: int(_NAME.match(p.name).group(1)))
+    return sorted((p for p in directory.iterdir() if _NAME.match(p.name)), key=_step_of)
+
+
+def _step_of(path: Path) -> int:
+    """The step of a checkpoint file ``list_checkpoints`` listed."""
+    return int(_NAME.match(path.name).group(1))
 
 
 def newest_valid(directory: Path, warn: Callable[[str], None]) -> Path | None:
@@ -189,11 +219,14 @@ def newest_valid(directory: Path, warn: Callable[[str], None]) -> Path | None:
 def capture_rng(device: torch.device) -> dict:
     """This process's RNG states, as tensors and plain values (weights_only-loadable)."""
     kind, keys, pos, has_gauss, cached = np.random.get_state()
+    version, internal, gauss = random.getstate()
     state = {
         "torch": torch.get_rng_state(),
         "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": pos,
                   "has_gauss": has_gauss, "cached_gaussian": cached},
-        "python": random.getstate(),
+        # one tensor, not 625 ints: the digest feeds a tensor's bytes at once, an int at a time
+        # (2,000 ranks' states: 0.4 s against 3.7)
+        "python": (version, torch.tensor(internal, dtype=torch.int64), gauss),
     }
     if device.type == "cuda":
         state["cuda"] = torch.cuda.get_rng_state(device)
@@ -207,6 +240,8 @@ def restore_rng(state: dict, device: torch.device) -> None:
                          numpy_state["pos"], numpy_state["has_gauss"],
                          numpy_state["cached_gaussian"]))
     version, internal, gauss = state["python"]
+    if isinstance(internal, torch.Tensor):  # format 3; format 2 held the tuple of ints
+        internal = internal.tolist()
     random.setstate((version, tuple(internal), gauss))
     if device.type == "cuda" and "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"].cpu(), device)

@@ -128,7 +128,7 @@ class Trainer:
     def _load_state(self, state: dict) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
-        self.scaler.load_state_dict(state["scaler"])
+        load_scaler(self.scaler, state["scaler"])
         self.job.restore_rng(state)
         self.position = Position(state["step"], state["epoch"], state["batch"])
         self.last_saved = state["step"]
@@ -273,3 +273,11 @@ class Trainer:
         self.log.metrics({"event": "eval", "step": p.step, "epoch": p.epoch, **result})
         text = " ".join(f"{key} {value:.4f}" for key, value in result.items())
         self.log.info(f"epoch {p.epoch} step {p.step}: {text}")
+
+
+def load_scaler(scaler: torch.amp.GradScaler, saved: dict) -> None:
+    """``saved`` into ``scaler``. A run without --precision fp16 saves a disabled scaler's
+    empty state, which an enabled one refuses: an fp16 resume of it starts a fresh scaler, as
+    an fp16 run starts."""
+    if saved:
+        scaler.load_state_dict(saved)

@@ -58,9 +58,14 @@ def resume_state(config: TrainConfig, job: Job, log: RankLog) -> dict | None:
 
 
 def _check_compatible(state: dict, config: TrainConfig, path, world_size: int) -> None:
-    if state.get("format") != checkpoint.FORMAT:
+    if state.get("format") not in checkpoint.READABLE:
         raise LaunchError(f"{path} has an unknown checkpoint format {state.get('format')!r}",
                           hint="resume with the launcher version that wrote it")
+    if "config" not in state:  # job.save adds no flags: a script's own, not launcher.train's
+        raise LaunchError(f"{path} was not written by launcher.train (it holds no 'config': "
+                          "the flags of the run)",
+                          hint="resume it with the script that saved it, or give --resume a "
+                          "checkpoint of launcher.train (RUN_DIR/checkpoints/ckpt-*.pt)")
     saved = state["config"]
     differ = [f"--{k.replace('_', '-')} {saved[k]} (now {getattr(config, k)})"
               for k in RESUME_MUST_MATCH if saved.get(k) != getattr(config, k)]

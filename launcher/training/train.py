@@ -10,6 +10,7 @@ again: ``--resume auto`` continues where it stopped).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 from launcher.faults.exits import exit_statuses
@@ -36,7 +37,8 @@ def train(config: TrainConfig, job: Job) -> None:
     from launcher.core.logging_utils import parameter_sha256
     from launcher.training.setup import build_trainer
 
-    trainer = build_trainer(config, job)
+    # Job.keep is the API's default, for scripts of their own; --keep is this run's
+    trainer = build_trainer(config, dataclasses.replace(job, keep=config.keep))
     try:
         trainer.fit()
     finally:
