@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import io
+import os
 import random
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -256,3 +259,26 @@ def test_rng_of_another_world_size_is_reseeded_per_rank_and_reproducibly():
 
     assert draws(2, 3) == draws(2, 3)
     assert len({str(draws(rank, 3)) for rank in range(3)} | {str(draws(0, 1))}) == 4
+
+
+@pytest.mark.parametrize(("code", "written"), [(errno.EINVAL, True), (errno.EIO, False)])
+def test_a_file_system_that_cannot_sync_a_directory_still_gets_the_file(tmp_path, monkeypatch,
+                                                                        code, written):
+    """fsync(2) of a directory fails with EINVAL on some network and FUSE file systems: the file
+    is whole and renamed, so the write stands; a real I/O error still fails it."""
+    real = atomic.os.fsync
+
+    def fsync(fd: int) -> None:
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise OSError(code, os.strerror(code))
+        real(fd)
+
+    monkeypatch.setattr(atomic.os, "fsync", fsync)
+    target = tmp_path / "ckpt-00000001.pt"
+    if written:
+        atomic.write_atomic(target, b"whole")
+    else:
+        with pytest.raises(OSError):
+            atomic.write_atomic(target, b"whole")
+    assert target.read_bytes() == b"whole"  # renamed before the directory's sync either way
+    assert [p.name for p in tmp_path.iterdir()] == [target.name]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import secrets
 from pathlib import Path
@@ -24,8 +25,16 @@ def write_atomic(path: Path, data: bytes) -> None:
     dir_fd = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(dir_fd)
+    except OSError as exc:
+        # some network and FUSE file systems cannot sync a directory (fsync(2): EINVAL): the
+        # file is whole and renamed, which is all they offer; not a failed write
+        if exc.errno not in _NO_DIRECTORY_SYNC:
+            raise
     finally:
         os.close(dir_fd)
+
+
+_NO_DIRECTORY_SYNC = {errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS}
 
 
 def _new_beside(path: Path) -> tuple[int, Path]:
