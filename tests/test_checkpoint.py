@@ -93,6 +93,7 @@ def test_state_pickle_cannot_save_is_refused_and_nothing_written(tmp_path, state
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.filterwarnings("ignore::UserWarning")  # torch's, on the damaged bytes
 def test_no_single_byte_change_gets_past_decode_as_another_error():
     """torch.load raises more than its documented errors when one byte of the pickle changes
     (AssertionError, AttributeError, struct.error): each must be a CorruptCheckpoint, which
