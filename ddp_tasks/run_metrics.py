@@ -67,7 +67,8 @@ def read_runs(paths: list[Path]) -> list[Run]:
         tasks = [d for d in path.iterdir() if (d / METRICS).exists()] if path.is_dir() else []
         if not tasks:
             raise LaunchError(f"{path} holds no {METRICS}, nor run directories with one",
-                              hint="pass a run directory (--run-dir) or a sweep's root")
+                              hint="pass the --run-dir of a launcher.train run, or of an "
+                              "invoke sbatch --sweep (its tasks' directories are inside)")
         runs += sorted((read_run(d) for d in tasks), key=_order)
     return runs
 
