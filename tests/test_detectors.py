@@ -16,6 +16,7 @@ from launcher.placement.env import (
     JobEnv,
     build_tools,
     detect_environment,
+    launch_pmi,
     local_device_index,
     visible_device_count,
 )
@@ -108,6 +109,34 @@ SLURM_3_NODES = {
 }  # fmt: skip
 
 
+# srun over 2 nodes, 4 tasks each: task 5 (the second node's local 1), no PMI (--mpi=none)
+SRUN_2X4 = {
+    "SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_PROCID": "5", "SLURM_LOCALID": "1",
+    "SLURM_NODEID": "1", "SLURM_NTASKS": "8", "SLURM_STEP_NUM_TASKS": "8",
+    "SLURM_STEP_NUM_NODES": "2", "SLURM_STEP_NODELIST": "nid[001000-001001]",
+    "SLURM_STEP_TASKS_PER_NODE": "4(x2)",
+}  # fmt: skip
+
+# the same task under Slurm's mpi/cray_shasta plugin (the default --mpi of many HPE Cray EX
+# systems): mpi_p_slurmstepd_task in Slurm's mpi_cray_shasta.c sets these five PALS_* and, with
+# reserved ports, PMI_CONTROL_PORT; no PALS_LOCAL_RANKID, no PMI_RANK/PMI_SIZE (Cray PMI reads
+# the rest from the apinfo file)
+SRUN_CRAY_SHASTA = {
+    **SRUN_2X4,
+    "PALS_APID": "4242.0", "PALS_RANKID": "5", "PALS_NODEID": "1",
+    "PALS_SPOOL_DIR": "/var/spool/slurmd/mpi_cray_shasta/4242.0",
+    "PALS_APINFO": "/var/spool/slurmd/mpi_cray_shasta/4242.0/apinfo",
+    "PMI_CONTROL_PORT": "11000", "SLURM_STEP_RESV_PORTS": "11000-11001",
+}  # fmt: skip
+
+# the same task with RANK/WORLD_SIZE/LOCAL_RANK exported from SLURM_* by hand: enroot's
+# 50-slurm-pytorch.sh hook (NGC images under Pyxis) or `RANK=$SLURM_PROCID ...` in a script
+SRUN_RANK_BY_HAND = {
+    **SRUN_2X4, "RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1",
+    "MASTER_ADDR": "nid001000", "MASTER_PORT": "65242",
+}  # fmt: skip
+
+
 def detect(environ: dict[str, str]) -> JobEnv:
     return detect_environment(environ, hostname="testhost")
 
@@ -144,6 +173,17 @@ def placement(env: JobEnv) -> tuple:
                      ("single", 0, 1, 0, 1, 0, 1), id="slurm-batch-step-name"),
         pytest.param({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"},
                      ("torchrun", 0, 2, 0, 2, 0, 1), id="env-by-hand"),
+        pytest.param(SRUN_CRAY_SHASTA, ("slurm", 5, 8, 1, 4, 1, 2), id="srun-cray-shasta"),
+        pytest.param({**SBATCH_SCRIPT, **PALS}, ("pals", 5, 8, 1, 4, 1, 2),
+                     id="pals-mpiexec-in-sbatch"),
+        pytest.param({**SRUN_2X4, **PALS}, ("pals", 5, 8, 1, 4, 1, 2), id="pals-mpiexec-in-srun"),
+        pytest.param(SRUN_RANK_BY_HAND, ("slurm", 5, 8, 1, 4, 1, 2), id="srun-rank-by-hand"),
+        pytest.param({**SRUN_2X4, "RANK": "5"}, ("slurm", 5, 8, 1, 4, 1, 2),
+                     id="srun-rank-alone-by-hand"),
+        pytest.param({**SRUN_RANK_BY_HAND, "LOCAL_WORLD_SIZE": "4"}, ("slurm", 5, 8, 1, 4, 1, 2),
+                     id="srun-all-four-by-hand"),
+        pytest.param({**SRUN_2X4, **TORCHRUN}, ("torchrun", 1, 2, 1, 2, 0, 1),
+                     id="torchrun-in-srun-2-nodes"),
     ],
 )
 def test_detects_launcher_and_placement(environ, expected):
@@ -169,6 +209,38 @@ def test_mpi_launchers_leave_rendezvous_open():
     for environ in (HYDRA, OPENMPI, MVAPICH, SBATCH_MPIEXEC):
         env = detect(environ)
         assert (env.master_addr, env.master_port, env.hosts) == (None, None, ())
+
+
+def test_rank_by_hand_under_srun_keeps_slurms_node_list_and_the_given_rendezvous():
+    env = detect(SRUN_RANK_BY_HAND)
+    assert env.hosts == ("nid001000", "nid001001") and env.node_name == "nid001001"
+    assert (env.master_addr, env.master_port, env.job_id) == ("nid001000", 65242, "4242")
+
+
+@pytest.mark.parametrize(
+    "environ, pmi",
+    [
+        pytest.param(SRUN_CRAY_SHASTA, "pmi", id="srun-cray-shasta"),
+        pytest.param({k: v for k, v in SRUN_CRAY_SHASTA.items() if k != "PMI_CONTROL_PORT"},
+                     "pmi", id="srun-cray-shasta-no-reserved-port"),
+        pytest.param(PALS, "pmi", id="pals"),
+        pytest.param(SRUN_PMI2, "pmi", id="srun-pmi2"),
+        pytest.param(HYDRA, "pmi", id="hydra"),
+        pytest.param(OPENMPI, "pmix", id="openmpi"),
+        pytest.param(SRUN_2X4, "none", id="srun-mpi-none"),
+        pytest.param({**SRUN_PMI2, **TORCHRUN}, "none", id="torchrun-in-srun-pmi2"),
+        pytest.param({**HYDRA, **TORCHRUN, "MPI_LOCALRANKID": "0", "MPI_LOCALNRANKS": "1",
+                      "PMI_RANK": "0", "PMI_SIZE": "1"}, "none", id="torchrun-under-mpiexec"),
+        pytest.param({**OPENMPI, **TORCHRUN}, "none", id="torchrun-under-mpirun"),
+    ],
+)
+def test_pmi_offered(environ, pmi):
+    assert detect(environ).pmi == pmi
+
+
+@pytest.mark.parametrize("name", ["PALS_APINFO", "PMI_CONTROL_PORT"])
+def test_cray_pmi_alone_is_a_pmi(name):
+    assert launch_pmi({name: "x"}) == "pmi"
 
 
 def test_torchrun_provides_rendezvous():
@@ -257,6 +329,16 @@ BAD = [
     pytest.param({**MVAPICH, "PMI_SIZE": "3"}, ["disagree", "mvapich", "PMI_SIZE=3"],
                  id="mvapich-vs-pmi"),
     pytest.param({**PALS, "PMI_RANK": "4"}, ["disagree", "pals", "PMI_RANK=4"], id="pals-vs-pmi"),
+    pytest.param({**SRUN_RANK_BY_HAND, "RANK": "3"}, ["RANK=3", "SLURM_PROCID=5"],
+                 id="rank-by-hand-vs-slurm"),
+    pytest.param({**SRUN_RANK_BY_HAND, "WORLD_SIZE": "16"}, ["WORLD_SIZE=16", "8"],
+                 id="world-size-by-hand-vs-slurm"),
+    pytest.param({**SRUN_RANK_BY_HAND, "LOCAL_WORLD_SIZE": "8"}, ["LOCAL_WORLD_SIZE=8", "4"],
+                 id="local-size-by-hand-vs-slurm"),
+    pytest.param({**SRUN_RANK_BY_HAND, "LOCAL_RANK": "one"}, ["LOCAL_RANK", "'one'"],
+                 id="local-rank-by-hand-not-a-number"),
+    pytest.param({k: v for k, v in PALS.items() if k != "PMI_SIZE"}, ["PMI_SIZE", "PALS"],
+                 id="pals-without-size"),
     pytest.param({"MASTER_PORT": "70000"}, ["MASTER_PORT", "70000", "1-65535"], id="port-high"),
     pytest.param({"MASTER_PORT": "0"}, ["MASTER_PORT"], id="port-zero"),
     pytest.param({"MASTER_PORT": "http"}, ["MASTER_PORT", "'http'"], id="port-text"),

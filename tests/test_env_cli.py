@@ -148,3 +148,23 @@ def test_run_mpi_timeout_kills_every_rank(tmp_path):
     while any(Path(f"/proc/{pid}").exists() for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(Path(f"/proc/{pid}").exists() for pid in pids)
+
+
+@pytest.mark.mpi
+def test_torchrun_under_mpiexec_does_not_take_the_agents_pmi(tmp_path):
+    """The agent is Hydra's rank; its PMI_FD and PMI_RANK reach the workers, which are no MPI
+    processes of Hydra: read as an offered PMI, the default backend was mpi and MPI_Init
+    aborted ("PMIU_write error; fd=9 ... Bad file descriptor")."""
+    script = tmp_path / "job.py"
+    script.write_text(
+        "import json, launcher\n"
+        "with launcher.distributed(timeout_s=30) as job:\n"
+        "    print(json.dumps({'rank': job.rank, 'backend': job.backend,\n"
+        "                      'pmi': job.env.pmi, 'launcher': job.env.launcher}), flush=True)\n"
+    )
+    torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    result = run_mpi(1, [*torchrun, str(script)], timeout=90)
+    assert result.returncode == 0, result.output
+    for record in by_rank(json_objects(result.stdout), 2).values():
+        assert (record["launcher"], record["pmi"], record["backend"]) == (
+            "torchrun", "none", "gloo"), record

@@ -2,12 +2,17 @@
 
 ``DETECTORS`` is tried in this order; the first whose ``detect(environ)`` is true wins:
 
-1. ``torchrun``  -- TORCHELASTIC_RUN_ID or RANK (torchrun's set, or env:// by hand).
-   First because torchrun is often started by srun or mpirun, one agent per node: the outer
-   launcher's variables then describe the agent, not the worker.
+1. ``torchrun``  -- TORCHELASTIC_RUN_ID (torchrun's agent), or RANK outside a Slurm task (env://
+   by hand). First because torchrun is often started by srun or mpirun, one agent per node: the
+   outer launcher's variables then describe the agent, not the worker, and its PMI serves the
+   agent alone (``pmi`` is "none"). RANK without the agent inside a Slurm task was copied from
+   SLURM_* by hand (enroot's PyTorch hook under Pyxis, ``RANK=$SLURM_PROCID``): Slurm reads it,
+   and the copy must agree.
 2. ``openmpi``   -- OMPI_COMM_WORLD_RANK (mpirun from Open MPI).
 3. ``mvapich``   -- MV2_COMM_WORLD_RANK (MVAPICH2; its Hydra also sets PMI_*).
-4. ``pals``      -- PALS_RANKID (Cray PALS ``mpiexec``; Cray PMI sets PMI_* beside it).
+4. ``pals``      -- PALS_RANKID with PALS_LOCAL_RANKID (Cray PALS ``mpiexec``; Cray PMI sets PMI_*
+   beside it), or PALS_RANKID outside a Slurm task. ``srun --mpi=cray_shasta`` sets PALS_RANKID
+   and PALS_NODEID only (no local rank, no size): Slurm wins, as over Hydra below.
 5. ``hydra``     -- PMI_RANK with MPI_LOCALRANKID (MPICH and Intel MPI ``mpiexec``), or PMI_RANK
    outside a Slurm step. Before Slurm because ``mpiexec`` inside an allocation inherits the batch
    step's SLURM_PROCID=0, and Hydra's Slurm bootstrap gives each rank the SLURM_* of its proxy
@@ -40,11 +45,18 @@ _SLURM_SPECIAL_STEP = 0xFFFFFFF0
 # Slurm exports these step ids as numbers or names depending on the version
 _SLURM_SPECIAL_STEP_NAMES = {"batch", "extern", "interactive", "pending"}
 
+#: env:// variables a script copies from SLURM_* (or enroot's PyTorch hook does) -> Placement's
+_COPIED_BY_HAND = {"RANK": "rank", "WORLD_SIZE": "world_size", "LOCAL_RANK": "local_rank",
+                   "LOCAL_WORLD_SIZE": "local_world_size"}
+
 
 class Detector:
     """One launcher: ``detect`` says whether it started us, ``read`` where it put us."""
 
     name = ""
+    #: whether the PMI variables this process sees (``JobEnv.pmi``) are this launcher's for it;
+    #: False where they are an outer launcher's, for the process that started this one
+    serves_pmi = True
 
     def detect(self, environ: Environ) -> bool:
         raise NotImplementedError
@@ -119,6 +131,11 @@ class Pals(MpiDetector):
         "local_world_size": "PALS_LOCAL_SIZE",
     }
 
+    def detect(self, environ: Environ) -> bool:
+        return "PALS_RANKID" in environ and (
+            "PALS_LOCAL_RANKID" in environ or not Slurm.is_step(environ)
+        )
+
     def read(self, environ: Environ) -> Placement:
         placement = super().read(environ)
         node_rank = placement.node_rank
@@ -134,9 +151,14 @@ class Pals(MpiDetector):
 
 class Torchrun(Detector):
     name = "torchrun"
+    # the workers are no MPI processes of an srun or mpiexec around torchrun: its PMI_FD,
+    # PMI_RANK or PMIX_* belong to the agent, and MPI_Init on them aborts
+    serves_pmi = False
 
     def detect(self, environ: Environ) -> bool:
-        return "TORCHELASTIC_RUN_ID" in environ or "RANK" in environ
+        if "TORCHELASTIC_RUN_ID" in environ:  # the agent always sets it
+            return True
+        return "RANK" in environ and not Slurm.is_step(environ)
 
     def read(self, environ: Environ) -> Placement:
         label = "torchrun (env://)"
@@ -215,7 +237,7 @@ class Slurm(Detector):
             )
         job_id = self.job_id(environ)
         step = self.step_id(environ)
-        return Placement(
+        placement = Placement(
             rank=rank,
             world_size=size,
             local_rank=local_rank,
@@ -227,6 +249,8 @@ class Slurm(Detector):
             hosts=tuple(hosts),
             job_id=job_id,
         )
+        _check_copied_by_hand(environ, placement)
+        return placement
 
     @staticmethod
     def _local_size(environ: Environ, node_rank: int, size: int, num_nodes: int) -> int:
@@ -242,6 +266,26 @@ class Slurm(Detector):
                     )
                 return counts[node_rank]
         return -(-size // num_nodes)
+
+
+def _check_copied_by_hand(environ: Environ, placement: Placement) -> None:
+    """RANK and its kin in a Slurm task without torchrun were copied from SLURM_* by hand, and
+    torch reads them: copied from another step, or before srun, they would name other ranks."""
+    label = "env:// (set by hand)"
+    wrong = [
+        f"{name}={read_int(environ, name, label)}"
+        for name, field in _COPIED_BY_HAND.items()
+        if name in environ and read_int(environ, name, label) != getattr(placement, field)
+    ]
+    if wrong:
+        raise LaunchError(
+            f"launchers disagree: slurm says rank {placement.rank} of {placement.world_size}, "
+            f"local rank {placement.local_rank} of {placement.local_world_size} (SLURM_PROCID="
+            f"{environ['SLURM_PROCID']}), but {' '.join(wrong)} (set by hand, no torchrun)",
+            hint="under srun unset RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE (SLURM_* "
+            "say it all), or set them in each task from SLURM_PROCID, SLURM_NTASKS and "
+            "SLURM_LOCALID, not once before srun; to start several ranks per task, use torchrun",
+        )
 
 
 class Single(Detector):

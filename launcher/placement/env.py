@@ -35,6 +35,9 @@ from launcher.placement.variables import Placement, read_int
 #: signals that cannot be caught, so cannot announce a preemption
 _UNCATCHABLE = {"KILL", "STOP"}
 
+#: any of these: a PMI-1/PMI-2 server or Cray PMI serves the rank (``launch_pmi``)
+_PMI_VARIABLES = ("PMI_FD", "PMI_PORT", "PMI_RANK", "PALS_APINFO", "PMI_CONTROL_PORT")
+
 
 @dataclass(frozen=True, kw_only=True)
 class JobEnv(Placement):
@@ -108,12 +111,13 @@ def launch_pmi(environ: Mapping[str, str]) -> str:
     """The process-management interface the launcher serves this rank, from its variables.
 
     PMIx servers (srun --mpi=pmix, Open MPI's mpirun/prterun) export PMIX_RANK and
-    PMIX_NAMESPACE; PMI-1/PMI-2 servers (Hydra, srun --mpi=pmi2, Cray PMI) export PMI_RANK
-    and a PMI_FD or PMI_PORT to reach them.
+    PMIX_NAMESPACE; PMI-1/PMI-2 servers (Hydra, srun --mpi=pmi2) export PMI_RANK and a
+    PMI_FD or PMI_PORT to reach them; Cray PMI (PALS, srun --mpi=cray_shasta) finds its peers
+    through the PALS_APINFO file and PMI_CONTROL_PORT, and srun's plugin sets no PMI_RANK.
     """
     if "PMIX_RANK" in environ or "PMIX_NAMESPACE" in environ:
         return "pmix"
-    if any(name in environ for name in ("PMI_FD", "PMI_PORT", "PMI_RANK")):
+    if any(name in environ for name in _PMI_VARIABLES):
         return "pmi"
     return "none"
 
@@ -201,7 +205,7 @@ def detect_environment(
         visible_devices=environ.get("CUDA_VISIBLE_DEVICES"),
         image=environ.get("DDP_IMAGE") or None,
         preempt_signal=parse_signal(environ.get("DDP_PREEMPT_SIGNAL", PREEMPT_SIGNAL)),
-        pmi=launch_pmi(environ),
+        pmi=launch_pmi(environ) if detector.serves_pmi else "none",
         library_path=tuple(filter(None, environ.get("LD_LIBRARY_PATH", "").split(":"))),
         mpi4py_request=_mpi4py_request(environ),
         mpi_impl=environ.get("DDP_MPI_IMPL", "").strip() or "auto",
