@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import pickle
 import random
 import re
 from collections.abc import Callable
@@ -36,6 +37,10 @@ FORMAT = 3
 #: the formats this version resumes from: 2 held Python's random state as 625 ints
 READABLE = (2, 3)
 DIGEST_KEY = "sha256"
+#: what pickle raises for a value it cannot save (a lock: TypeError; a lambda or a local
+#: object: PicklingError or AttributeError); anything else raised while saving is a crash of
+#: the value's own code (its __reduce__), a traceback and exit 70, as tests/test_fail_fast.py
+_UNPICKLABLE = (pickle.PicklingError, TypeError, AttributeError)
 #: 8 digits or more: ``checkpoint_name`` pads to 8 and writes step 10**8 with 9
 _NAME = re.compile(r"^ckpt-(\d{8,})\.pt$")
 
@@ -84,7 +89,7 @@ def encode(state: dict) -> bytes:
     buffer = io.BytesIO()
     try:
         torch.save({**state, DIGEST_KEY: content_digest(state)}, buffer)
-    except Exception as exc:  # pickling runs the values' own code: a lock, a lambda, anything
+    except _UNPICKLABLE as exc:  # a lock, a lambda; another error is a crash of the values' own
         raise _refused(state, f"cannot be saved by torch.save ({_said(exc)})") from None
     data = buffer.getvalue()
     try:

@@ -36,8 +36,9 @@ def slurm_port(job_id: str, step_id: str | None,
     where any outgoing connection on the node may hold a port already. Steps of one job never
     share a port (the stride between steps is coprime with the number of ports); jobs with the
     same step id share one only if their ids differ by a multiple of that number (27304 ports
-    with Linux's default range: 10000-32767 and 61000-65535). Non-numeric ids (array tasks such as ``123_4``) use their
-    digits. Every node of a job must have the same ephemeral range (sysctl), as clusters do.
+    with Linux's default range: 10000-32767, 61000-65535). Non-numeric ids (array tasks such as
+    ``123_4``) use their digits. Every node of a job must have the same ephemeral range
+    (sysctl), as clusters do.
     """
     windows = _windows(ephemeral)
     span = sum(b - a + 1 for a, b in windows)
