@@ -1,9 +1,9 @@
 """Process-group decisions that need no GPU: which ranks share a GPU (over a real TCPStore),
-a clean exit after DDP, and torch's DETAIL debug level, under real mpiexec."""
+a clean exit after DDP, torch's DETAIL debug level, and the nodes the mpi backend counts, under
+real mpiexec."""
 
 from __future__ import annotations
 
-import json
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
@@ -15,7 +15,7 @@ from launcher.group import debug_level
 from launcher.group.gpu_sharing import shared_gpu
 from launcher.placement.env import JobEnv
 from launcher.placement.ports import free_port
-from tests.fixtures.mpi import run_mpi
+from tests.fixtures.mpi import json_objects, run_mpi
 
 
 def _env(rank: int, world_size: int, host: str, local_rank: int, port: int) -> JobEnv:
@@ -136,9 +136,38 @@ def test_detail_debugging_is_said_once_and_never_breaks_the_mpi_backend(backend,
     result = run_mpi(2, ["-c", DEBUG_DETAIL, backend], timeout=60,
                      env={debug_level.VARIABLE: "DETAIL"})
     assert result.returncode == 0, result.output
-    reports = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    reports = json_objects(result.stdout)  # print() may write a line in two pieces
     assert len(reports) == 2 and all(r["sum"] == [2.0, 2.0] for r in reports), result.output
     assert {(r["class"], r["level"]) for r in reports} == {(wrapped, f"DebugLevel.{level}")}
     recorded = [s for s in reports[0]["set"] if s["name"] == debug_level.VARIABLE]
     assert [s["value"] for s in recorded] == ([] if level == "DETAIL" else ["INFO"])
     assert result.stderr.count(f"warning: {debug_level.VARIABLE}=DETAIL") == 1, result.output
+
+
+# 3 ranks on host "a", rank 3 alone on "b", as mpiexec with a machinefile "a:3 b:1" places them;
+# each rank is told its own host's local rank and size, as Hydra tells them
+UNEVEN_NODES = """
+import json, os, sys
+from launcher.group.process_group import process_group
+from launcher.placement.env import detect_environment
+rank = int(os.environ["PMI_RANK"])
+local = {"MPI_LOCALRANKID": str(rank % 3), "MPI_LOCALNRANKS": "3"} if rank < 3 else {
+    "MPI_LOCALRANKID": "0", "MPI_LOCALNRANKS": "1"}
+env = detect_environment({**os.environ, **local}, hostname="a" if rank < 3 else "b")
+with process_group(env, sys.argv[1], 30) as context:
+    print(json.dumps({"rank": rank, "backend": context.backend, "hosts": context.env.hosts,
+                      "node": [context.env.node_rank, context.env.num_nodes]}), flush=True)
+"""
+
+
+@pytest.mark.mpi
+def test_the_mpi_backend_counts_the_nodes_of_uneven_hosts_alike():
+    """The mpi backend starts no store, where the node index used to be corrected: rank 3, alone
+    on its host, said node 3 of 4 while rank 0 said node 0 of 2 (Job.node_rank, num_nodes)."""
+    result = run_mpi(4, ["-c", UNEVEN_NODES, "mpi"], timeout=90)
+    assert result.returncode == 0, result.output
+    records = sorted(json_objects(result.stdout), key=lambda record: record["rank"])
+    assert [(r["rank"], r["hosts"], r["node"]) for r in records] == [
+        (0, ["a", "b"], [0, 2]), (1, ["a", "b"], [0, 2]), (2, ["a", "b"], [0, 2]),
+        (3, ["a", "b"], [1, 2])], result.output
+    assert all(r["backend"].startswith("mpi") for r in records), result.output  # no store

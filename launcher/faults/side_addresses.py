@@ -35,7 +35,7 @@ class Addresses:
     def __init__(self, env: JobEnv):
         self._env = env
         self._known: dict[int, str] = {}
-        self._client: dist.TCPStore | None = None
+        self._client: dist.Store | None = None
         self._client_lock = threading.Lock()
         self._closed = False
 
@@ -86,10 +86,11 @@ class Addresses:
         with self._client_lock:
             self._client, self._closed = None, True
 
-    def _lookup_client(self) -> dist.TCPStore:
+    def _lookup_client(self) -> dist.Store:
         """A client of the rendezvous store of its own (the rendezvous' may be held by NCCL by
         then): one per rank, made at the first look-up, so that a hang that has every rank
-        look up a few peers opens N connections to rank 0, not N times a few."""
+        look up a few peers opens N connections to rank 0, not N times a few. It reads this
+        attempt's keys (``JobEnv.store_prefix``), not those a torchrun attempt before left."""
         with self._client_lock:
             if self._closed:
                 raise ChannelGone("the side channel is closed")
@@ -100,6 +101,8 @@ class Addresses:
                         self._client = dist.TCPStore(env.master_addr, env.master_port,
                                                      is_master=False,
                                                      timeout=timedelta(seconds=LOOKUP_S))
+                    if env.store_prefix:
+                        self._client = dist.PrefixStore(env.store_prefix, self._client)
                 except (RuntimeError, OSError) as exc:
                     raise ChannelGone(str(exc)) from exc
             return self._client

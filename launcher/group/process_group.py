@@ -44,7 +44,7 @@ from launcher.faults.peer_lost import diagnose, is_communication_failure
 from launcher.group import debug_level
 from launcher.group.backends import MPI4PY, BackendFacts, BackendPlan, plan
 from launcher.group.gpu_sharing import nccl_unless_gpus_are_shared
-from launcher.group.rendezvous import rendezvous_error, start_mpi, start_store
+from launcher.group.rendezvous import nodes_over_mpi, rendezvous_error, start_mpi, start_store
 from launcher.group.startup_guard import GRACE_S, guarded
 from launcher.mpi import library as mpi_library
 from launcher.placement.env import JobEnv, local_device_index
@@ -189,6 +189,8 @@ def _start(env: JobEnv, chosen: BackendPlan, device: torch.device,
             env, store = start_store(env, name, timeout, world)
             if chosen.if_gpu_shared is not None:
                 name = nccl_unless_gpus_are_shared(env, store, device, chosen.if_gpu_shared)
+        else:
+            env = nodes_over_mpi(env, world)  # start_store does it for gloo and nccl
         _init(env, name, store, timeout)
     return env, name, store, implementation
 

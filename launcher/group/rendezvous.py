@@ -9,11 +9,14 @@
   one node the IP its name resolves to, or the name itself when that is loopback -- and a
   TCP port (``pick_port``), and broadcasts both over ``MPI.COMM_WORLD``. One allgather of host
   names also replaces the node index and count that ``launcher.placement.detectors`` could
-  only estimate, and fills ``hosts``.
+  only estimate, and fills ``hosts``; the mpi backend, which needs no address, gets the same
+  allgather alone (``nodes_over_mpi``).
 - torchrun and Slurm always provide both, so nothing is done for them.
 
 ``start_store`` then starts the TCP store on rank 0 and connects the others to it (under
-torchrun every rank joins the store its agent already serves, where it does). A rank that
+torchrun every rank joins the store its agent already serves, where it does, and which
+outlives the agent's restarts: each attempt keeps to its own prefix, ``JobEnv.store_prefix``,
+and torch's rendezvous goes through it too). A rank that
 is not rank 0 keeps trying while nothing listens yet (rank 0 may start later), but stops at once
 when something answers that is not a store: another program holds the port, and rank 0, unable
 to bind it, has stopped already. An attempt that times out is a store answering late (rank 0 on
@@ -113,7 +116,21 @@ def start_mpi(env: JobEnv):
     return comm
 
 
-def _over_mpi(env: JobEnv, comm, pick_port) -> JobEnv:
+def nodes_over_mpi(env: JobEnv, comm) -> JobEnv:
+    """``env`` with the node index, count and list of one allgather of host names over
+    ``comm`` (``MPI.COMM_WORLD``), for the mpi backend, which starts no store: an MPI
+    launcher names no node, and the detectors' estimate (nodes filled alike) differs between
+    the ranks of unevenly filled ones (3 ranks on one host, 1 on another: node 3 of 4 and node
+    0 of 2). Each rank receives every rank's name, O(N) bytes (a few MB at 100,000 ranks), once
+    at start-up."""
+    if not rendezvous_over_mpi(env):
+        return env  # Slurm numbers its nodes; one process has one
+    return _on_hosts(env, _host_names(env, comm))
+
+
+def _host_names(env: JobEnv, comm) -> list[str]:
+    """Every rank's host name, in rank order, after checking that MPI sees the launcher's
+    ranks."""
     if (comm.Get_rank(), comm.Get_size()) != (env.rank, env.world_size):
         raise LaunchError(
             f"the launcher says rank {env.rank} of {env.world_size} ({env.launcher}) but MPI "
@@ -122,7 +139,16 @@ def _over_mpi(env: JobEnv, comm, pick_port) -> JobEnv:
             "job: launch with the matching mpiexec, or point mpi4py at that MPI "
             "(MPI4PY_MPIABI=mpich|openmpi|impi, MPI4PY_LIBMPI=/path/to/libmpi.so)",
         )
-    names = comm.allgather(env.hostname)
+    return comm.allgather(env.hostname)
+
+
+def _on_hosts(env: JobEnv, names: list[str]) -> JobEnv:
+    hosts = tuple(dict.fromkeys(names))  # distinct, in order of their lowest rank
+    return replace(env, hosts=hosts, node_rank=hosts.index(env.hostname), num_nodes=len(hosts))
+
+
+def _over_mpi(env: JobEnv, comm, pick_port) -> JobEnv:
+    names = _host_names(env, comm)
     # how the other nodes see rank 0: its own node may resolve its name to loopback, or to its
     # address on a network the others do not share
     seen = comm.gather(resolve(names[0]) if env.hostname != names[0] else None, root=0)
@@ -131,15 +157,7 @@ def _over_mpi(env: JobEnv, comm, pick_port) -> JobEnv:
         address = env.master_addr or reachable_address(env.hostname, seen)
         picked = (address, env.master_port or pick_port(address))
     master_addr, master_port = comm.bcast(picked, root=0)
-    hosts = tuple(dict.fromkeys(names))  # distinct, in order of their lowest rank
-    return replace(
-        env,
-        master_addr=master_addr,
-        master_port=master_port,
-        hosts=hosts,
-        node_rank=hosts.index(env.hostname),
-        num_nodes=len(hosts),
-    )
+    return replace(_on_hosts(env, names), master_addr=master_addr, master_port=master_port)
 
 
 def start_store(env: JobEnv, backend: str, timeout: timedelta,
@@ -164,6 +182,8 @@ def start_store(env: JobEnv, backend: str, timeout: timedelta,
                                   is_master=True, timeout=timeout, multi_tenant=True)
         else:
             store = connect(env, timeout)
+        if env.store_prefix:
+            store = dist.PrefixStore(env.store_prefix, store)  # holds the server (rank 0's)
         store.set(f"{HOST_KEY}/{env.rank}", env.hostname)
         env = _choose_network(env, store)
     except (RuntimeError, ValueError) as exc:

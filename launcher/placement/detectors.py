@@ -37,7 +37,14 @@ from dataclasses import replace
 from launcher.core.errors import LaunchError
 from launcher.placement.hostlist import expand_hostlist, expand_tasks_per_node
 from launcher.placement.ports import slurm_port
-from launcher.placement.variables import Environ, Placement, block_placement, read_int, require
+from launcher.placement.variables import (
+    Environ,
+    Placement,
+    block_placement,
+    read_int,
+    require,
+    restart_count,
+)
 
 #: Slurm step ids at or above this are special steps (batch, extern, interactive), not tasks
 _SLURM_SPECIAL_STEP = 0xFFFFFFF0
@@ -184,6 +191,7 @@ class Torchrun(Detector):
             node_rank=node_rank,
             num_nodes=num_nodes,
             job_id=environ.get("TORCHELASTIC_RUN_ID"),
+            attempt=restart_count(environ),
         )
 
 

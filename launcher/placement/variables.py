@@ -28,6 +28,25 @@ class Placement:
     master_port: int | None = None  # None = decided at start-up: a free port picked by rank 0
     hosts: tuple[str, ...] = ()  # node list: Slurm's, else DDP_HOSTS (invoke run --hosts)
     job_id: str | None = None
+    #: torchrun's restart count (``restart_count``); None under the other launchers, whose
+    #: rendezvous store serves one attempt only
+    attempt: int | None = None
+
+    @property
+    def store_prefix(self) -> str:
+        """Where this attempt's keys go in the rendezvous store, the launcher's and torch's
+        ("": at its root): torchrun's agent serves one store to every attempt of its workers,
+        and a restarted attempt met the keys of the one before, a dead rank's ports among
+        them."""
+        return "" if self.attempt is None else f"ddp/attempt_{self.attempt}"
+
+
+def restart_count(environ: Environ) -> int:
+    """How often torchrun's agent restarted the workers (``--max-restarts``): its
+    TORCHELASTIC_RESTART_COUNT, 0 without it (ranks started by hand with RANK)."""
+    if "TORCHELASTIC_RESTART_COUNT" not in environ:
+        return 0
+    return read_int(environ, "TORCHELASTIC_RESTART_COUNT", "torchrun")
 
 
 def read_int(environ: Environ, name: str, launcher: str, minimum: int = 0) -> int:
