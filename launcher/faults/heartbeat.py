@@ -4,10 +4,14 @@ A stopped process (SIGSTOP, a node frozen in swap, a hung file system) answers n
 raises nothing: only its silence tells. Each rank runs a thread that every ``BEAT_S`` beats to
 its two watchers (``launcher.faults.watch``) and notes when it last heard from the ranks it watches.
 A rank not heard for ``SILENT_S`` is silent: its watchers tell every rank (one broadcast on the
-side channel), so each survivor names every silent rank, not only the ones it watches. The
-ranks' waits ask here, when their timeout passes, whether a peer is silent (``PeerLost``
-naming its rank and node) or alive and busy (writing a checkpoint, evaluating: the wait goes
-on, up to ``BUSY_LIMIT`` times the timeout).
+side channel, renewed each beat while it stays silent), so each survivor names every silent
+rank, not only the ones it watches. A silent rank can come back (a node out of swap, SIGCONT):
+its watchers then tell every rank that it is heard again, and a tell not renewed lapses after
+``TELL_S``, so that nobody names it later in the job. A watcher frozen itself judges nobody
+until it has read the beats that came meanwhile. The ranks' waits ask here, when their
+timeout passes, whether a peer is silent (``PeerLost`` naming its rank and node) or alive and
+busy (writing a checkpoint, evaluating: the wait goes on, up to ``BUSY_LIMIT`` times the
+timeout).
 
 Beats travel on the side channel (``launcher.faults.side_channel``) from rank to rank: over TCP
 (gloo, nccl) or, with the mpi backend, as MPI messages. Rank 0 is watched like any other.
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import threading
 import time
 from datetime import timedelta
@@ -41,13 +46,22 @@ FOUND_SILENT_S = SILENT_S + 2 * BEAT_S
 #: a wait whose peers all still beat goes on up to this many times its timeout; past that the
 #: ranks are alive but not meeting (collectives called in a different order)
 BUSY_LIMIT = 10
+#: how long a tell that a rank is silent holds unless its watchers renew it (each beat while it
+#: stays silent): long enough to outlast a watcher's beat held up a few seconds (a broadcast
+#: waiting on a connection), short enough that a rank whose word "heard again" was lost or
+#: overtaken is not named long after it came back
+TELL_S = 2 * SILENT_S
+#: a beating thread that wakes this much later than BEAT_S was frozen with its process
+#: (SIGSTOP, swap) or starved of the GIL: the beats that came meanwhile still wait to be read
+LATE_S = 2 * BEAT_S
 #: what to do after a lost peer, wherever it is reported
 HINT = ("look at the named node (died, stopped, out of memory, cut off the network); then run "
         "the same command again: it continues from the last checkpoint (launcher.train's "
         "--resume auto, job.resume in a script of your own)")
 
-#: the side channel's kind for "these ranks fell silent", told by their watchers to all
-SILENT_KIND = "ddp.silent"
+#: the side channel's kinds for "these ranks are silent" (renewed each beat while they stay
+#: so) and "these ranks are heard again", told by their watchers to all
+SILENT_KIND, HEARD_KIND = "ddp.silent", "ddp.heard"
 
 
 class Heartbeat:
@@ -59,50 +73,95 @@ class Heartbeat:
         self._env = env
         self._beats = beats
         self.nodes: list[str] = beats.nodes
-        #: the watched ranks count as heard when the heartbeat starts
-        self._started = time.monotonic()
+        #: the watched ranks count as heard from then: the start, or when this process woke
+        #: from a freeze (``_beat``)
+        self._since = time.monotonic()
+        #: when the beating thread began its wait for the next beat; None while it beats
+        self._asleep_at: float | None = None
         self._watched = beats.watch.watched
-        #: the ranks found silent by their watchers: this rank's own finds and those told
-        self._told: set[int] = set()
-        #: when the last of them was found or told
-        self._told_at = -float("inf")
+        #: the ranks found silent by their watchers, this rank's own finds and those told,
+        #: each with when its tell lapses unless renewed
+        self._told: dict[int, float] = {}
+        #: when the last of them was newly found or told
+        self._told_at = -math.inf
+        #: the watched ranks this rank told silent, until it tells that they are heard again
+        self._reported: set[int] = set()
         self._stop = threading.Event()
         beats.on(SILENT_KIND, self._hear_silent)
+        beats.on(HEARD_KIND, self._hear_back)
         self._thread = threading.Thread(target=self._beat, name="ddp-heartbeat", daemon=True)
         self._thread.start()
 
     def _hear_silent(self, message) -> None:
         self._note_told(json.loads(message.payload))
 
-    def _note_told(self, ranks: list[int]) -> None:
-        if set(ranks) - self._told:
-            self._told.update(ranks)
-            self._told_at = time.monotonic()
+    def _hear_back(self, message) -> None:
+        self._forget(json.loads(message.payload))
+
+    def _note_told(self, ranks) -> None:
+        now = time.monotonic()
+        if any(self._told.get(rank, -math.inf) <= now for rank in ranks):  # a renewal is no news
+            self._told_at = now
+        for rank in ranks:
+            self._told[rank] = now + TELL_S
+
+    def _forget(self, ranks) -> None:
+        for rank in ranks:
+            self._told.pop(rank, None)
+
+    def _told_now(self) -> set[int]:
+        now = time.monotonic()
+        return {rank for rank, lapses in list(self._told.items()) if lapses > now}
 
     def _beat(self) -> None:
-        while not self._stop.wait(BEAT_S):
+        while True:
+            self._asleep_at = asleep = time.monotonic()
+            stopped = self._stop.wait(BEAT_S)
+            woke, self._asleep_at = time.monotonic(), None
+            if stopped:
+                return
+            if woke - asleep > BEAT_S + LATE_S:
+                self._since = woke  # judge nobody before the beats queued meanwhile are read
             with contextlib.suppress(ChannelGone):  # a peer gone: its silence names it
                 self._beats.exchange()
             self._tell_silent()
 
-    def _quiet(self) -> list[int]:
-        """The watched ranks not heard for SILENT_S."""
-        heard, now = self._beats.heard_at(), time.monotonic()
-        return [rank for rank in self._watched
-                if now - max(heard.get(rank, self._started), self._started) > SILENT_S]
+    def _unheard(self, heard: dict[int, float], now: float, since: float) -> set[int]:
+        """The watched ranks not heard for SILENT_S, counting each as heard at ``since``."""
+        return {rank for rank in self._watched
+                if now - max(heard.get(rank, since), since) > SILENT_S}
+
+    def _quiet(self) -> set[int]:
+        """The watched ranks not heard for SILENT_S; none while the beating thread oversleeps:
+        this process was frozen, and what it heard meanwhile is not read yet."""
+        heard, now, asleep = self._beats.heard_at(), time.monotonic(), self._asleep_at
+        if asleep is not None and now - asleep > BEAT_S + LATE_S:
+            return set()
+        return self._unheard(heard, now, self._since)
 
     def _tell_silent(self) -> None:
-        """Tell every rank of the watched ones that fell silent since the last beat."""
-        found = [rank for rank in self._quiet() if rank not in self._told]
-        if found:
-            self._note_told(found)
-            with contextlib.suppress(Exception):  # the survivors still see what they watch
-                self._beats.broadcast(SILENT_KIND, json.dumps(found).encode())
+        """Tell every rank which watched ranks are silent (each beat, which renews the tell),
+        and which of those told before are heard again: O(silent ranks) a beat, none while
+        every rank beats."""
+        heard, now = self._beats.heard_at(), time.monotonic()
+        back = self._reported - self._unheard(heard, now, -math.inf)  # beats heard, or left
+        quiet = self._quiet()
+        self._reported = (self._reported - back) | quiet
+        if quiet:
+            self._note_told(quiet)
+            self._tell(SILENT_KIND, quiet)
+        if back:
+            self._forget(back)
+            self._tell(HEARD_KIND, back)
+
+    def _tell(self, kind: str, ranks: set[int]) -> None:
+        with contextlib.suppress(Exception):  # the survivors still see what they watch
+            self._beats.broadcast(kind, json.dumps(sorted(ranks)).encode())
 
     def silent(self) -> list[int]:
         """The ranks not heard for SILENT_S, by this rank or by their other watchers."""
-        silent = set(self._quiet())
-        silent.update(rank for rank in self._told if rank != self._env.rank)
+        silent = self._quiet() | self._told_now()
+        silent.discard(self._env.rank)
         return sorted(silent)
 
     def settle(self) -> list[int]:
@@ -119,7 +178,7 @@ class Heartbeat:
             if silent != seen:
                 seen, changed = silent, now
             # found by this rank's own clock and not yet told: its watchers' news is still due
-            news = now if set(silent) - self._told else max(changed, self._told_at)
+            news = now if set(silent) - self._told_now() else max(changed, self._told_at)
             if silent and now - news >= quiet_s:
                 return silent
             if now > deadline:
