@@ -7,15 +7,16 @@ say where they are over the side channel (``launcher.faults.side_channel``) and 
 - Rank 0 asks every rank where it is (``hang.where?``, one broadcast). Each rank answers from
   a thread of its own: its flight recorder's current call (``launcher.faults.flight_recorder``),
   where its main thread is and the stacks of all its threads (``launcher.faults.stacks``),
-  written to the hang directory as ``rank-R.txt`` and ``rank-R.json``, and posted as
-  ``hang.where``. A rank that left the job told rank 0 where, on its way out (``ended``); one
+  posted as ``hang.where`` first and then written to the hang directory as ``rank-R.txt`` and
+  ``rank-R.json`` (``launcher.faults.hang_files``: a slow shared file system delays the files,
+  not the answer). A rank that left the job told rank 0 where, on its way out (``ended``); one
   that cannot answer within ``ANSWER_S`` is named as such.
-- Rank 0 decides (``launcher.faults.hang_diagnosis``). A line: it writes ``diagnosis.txt`` and
-  sends it to every rank; each prints it and ends with ``EXIT_HUNG`` (never 3: no node is
-  lost). No line (every rank waits in the same call: a long checkpoint write, an evaluation):
-  the wait goes on, looked at again after each further timeout, up to
-  ``heartbeat.BUSY_LIMIT`` times it. A rank that fell silent is left to the heartbeats
-  (``PeerLost``, exit 3).
+- Rank 0 decides (``launcher.faults.hang_diagnosis``). A line: it writes ``diagnosis.txt`` (with
+  the id of the look, which the rank files it was decided from carry) and sends it to every
+  rank; each prints it and ends with ``EXIT_HUNG`` (never 3: no node is lost). No line (every
+  rank waits in the same call: a long checkpoint write, an evaluation): the wait goes on,
+  looked at again after each further timeout, up to ``heartbeat.BUSY_LIMIT`` times it. A
+  rank that fell silent is left to the heartbeats (``PeerLost``, exit 3).
 
 The hang directory: ``RUN_DIR/hang`` with a run directory (``launcher.distributed(status_dir=)``,
 ``launcher.train --run-dir``), else a directory under the temporary directory, on each rank's
@@ -29,10 +30,10 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from launcher.core.atomic import write_atomic
 from launcher.core.errors import EXIT_HUNG
 from launcher.faults import flight_recorder, hang_files, stacks
 from launcher.faults.exit_status import record_hang
@@ -61,7 +62,6 @@ READ_S = 1.0
 #: the recent calls each rank sends (the whole recorder goes to its file)
 HISTORY = 16
 DECIDER = 0
-DIAGNOSIS_FILE = "diagnosis.txt"
 
 
 class HangWatch:
@@ -93,6 +93,9 @@ class HangWatch:
         self._no_verdict = threading.Event()
         #: set when rank 0 asked where this rank is: a look is under way
         self._looking = threading.Event()
+        #: clear while this rank writes its files for a look (after its answer)
+        self._written = threading.Event()
+        self._written.set()
         channel.on("hang.where?", self._on_where)
         channel.on("hang.verdict", lambda m: _thread(self._take_verdict, m))
         channel.on("hang.none", lambda m: self._no_verdict.set())
@@ -164,9 +167,15 @@ class HangWatch:
         at = (entry.where, entry.function) if kind == WAITING else stacks.main_thread_at()
         where = self._where(kind, *at)
         where.stack = str(directory / f"rank-{self.rank}.txt")
-        hang_files.write(directory, where, stacks.all_threads())
+        threads, calls = stacks.all_threads(), flight_recorder.snapshot()
+        self._written.clear()
+        # the answer first: files on a loaded shared file system (create, fsync, rename) can
+        # take longer than rank 0 waits for answers, and this rank would be named as not
+        # answering
         _sent(self._channel.post, "hang.where", json.dumps({"round": asked["round"],
                                                             "where": where.to_dict()}).encode())
+        hang_files.write(directory, asked["look"], where, threads, calls)
+        self._written.set()
 
     def _waits_in(self, entry: Entry | None) -> bool:
         """Whether this rank waits in ``entry``: a call under way, or the issued one whose
@@ -182,6 +191,7 @@ class HangWatch:
             return
         self._verdict = line
         _print(self.rank, line)
+        self._written.wait(ACK_S / 2)  # its files, before rank 0 ends the job (MPI_Abort)
         _sent(self._channel.send, message.source, "hang.ack")
         time.sleep(ACK_S / 2)  # rank 0 ends first (MPI_Abort): its status is the job's
         self._end(EXIT_HUNG)
@@ -223,7 +233,9 @@ class HangWatch:
             return None, directory  # the heartbeats report them (PeerLost, exit 3)
         self._looking.set()
         self._round += 1
-        asked = {"round": self._round, "dir": str(directory)}
+        # the files of this look carry its id: the hang directory may hold an earlier job's
+        look = uuid.uuid4().hex[:12]
+        asked = {"round": self._round, "dir": str(directory), "look": look}
         _sent(self._channel.broadcast, "hang.where?", json.dumps(asked).encode())
         self._answer(json.dumps(asked).encode())
         answers = self._answers()
@@ -235,15 +247,15 @@ class HangWatch:
                 wheres.append(Where.from_dict(said["where"]))
             elif rank in self._ended:
                 wheres.append(self._ended[rank])
-                hang_files.write(directory, self._ended[rank], "(ended: no stacks)\n", mine=False)
+                hang_files.write(directory, look, self._ended[rank], "(ended: no stacks)\n")
             elif rank in silent:
                 return None, directory  # the heartbeats report it (PeerLost)
             else:
                 wheres.append(Where(rank, self._channel.node(rank), NO_ANSWER))
-                hang_files.write(directory, wheres[-1], "(did not answer: no stacks)\n", mine=False)
+                hang_files.write(directory, look, wheres[-1], "(did not answer: no stacks)\n")
         line = diagnose(wheres)
         if line is not None:
-            write_atomic(directory / DIAGNOSIS_FILE, f"{line}\n".encode())
+            hang_files.write_diagnosis(directory, look, line)
         return line, directory
 
     def _fall_silent(self, unanswered: set[int]) -> bool:
