@@ -29,6 +29,8 @@ from pathlib import Path
 import pytest
 
 from launcher.core.errors import EXIT_RANK_FAILED, EXIT_USER_ERROR
+from launcher.faults.failfast import ACK_WAIT_S
+from tests.fixtures.by_hand import run_by_hand, write_script
 from tests.fixtures.gpu import nccl_ranks, needs_gpu
 from tests.fixtures.host_mpi import OPENMPI_ROOT_ENV
 from tests.fixtures.left_behind import LeftBehind, hydra_held, hydra_held_code, processes_marked
@@ -288,3 +290,44 @@ def test_nccl_one_rank_raises_every_rank_ends(tmp_path, data_dir, where):
         assert rank_exits(result.stderr)[0][0] == EXIT_RANK_FAILED, result.stderr
         assert f"[rank 0] {fault.kind}: injected fault" in result.stderr, result.stderr
     _no_rank_left(env)
+
+
+#: every rank raises at the same step; each counts the acks it sends while it is failing, and
+#: says when it ends after it began to fail
+EVERY_RANK_RAISES = """
+import math, os, sys, time
+import torch, torch.distributed as dist
+from launcher.faults import failfast, side_channel
+acks, failing = [], []
+send, fail, end = side_channel.SideChannel.send, failfast.Watchdog.fail, os._exit
+def counted(self, dest, kind, payload=b""):
+    if kind == failfast.ACK_KIND and failing:
+        acks.append(dest)
+    return send(self, dest, kind, payload)
+def failing_now(self, exc):
+    failing.append(time.monotonic())
+    return fail(self, exc)
+def ending(status):
+    after = time.monotonic() - failing[0] if failing else math.nan
+    print(f"[rank {os.environ['RANK']}] acks sent while failing: {len(acks)}, ended "
+          f"{after:.2f} s after failing", file=sys.stderr, flush=True)
+    end(status)
+side_channel.SideChannel.send, failfast.Watchdog.fail, os._exit = counted, failing_now, ending
+import launcher
+with launcher.distributed(backend="gloo", timeout_s=30) as job:
+    dist.all_reduce(torch.ones(1))
+    raise ValueError("shape mismatch in the model (every rank)")
+"""
+
+
+def test_when_every_rank_fails_none_acknowledges_and_none_waits(tmp_path):
+    """The commonest bug, on every rank at once: each rank prints its own traceback and ends,
+    sending no ack to the others (N - 1 each: N^2 connections at scale), nor waiting for one
+    (ACK_WAIT_S)."""
+    ranks = run_by_hand([str(write_script(tmp_path, EVERY_RANK_RAISES))], 4)
+    for rank, (status, output) in enumerate(ranks):
+        assert status == EXIT_RANK_FAILED, output
+        ended = re.search(rf"\[rank {rank}\] acks sent while failing: (\d+), ended (\S+) s",
+                          output)
+        assert ended and ended.group(1) == "0", output
+        assert float(ended.group(2)) < ACK_WAIT_S, output

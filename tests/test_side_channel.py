@@ -10,7 +10,11 @@ from __future__ import annotations
 
 import gc
 import math
+import os
+import resource
 import socket
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import replace
@@ -218,6 +222,31 @@ def test_a_rank_that_ended_is_gone_and_the_others_go_on(channels):
     channels[0].broadcast("t.still")
     _until(lambda: all(got[rank] for rank in (1, 3, 4, 5)))
     assert [len(box) for box in got] == [0, 1, 0, 1, 1, 1]
+
+
+def test_a_reader_out_of_descriptors_goes_on(channels):
+    """accept() failing (EMFILE: a rank of a job of thousands past its open-files limit, peers
+    connecting at once) must not end the rank's reader: once descriptors are free again, its
+    messages arrive."""
+    got = _collect(channels, "t.hello")
+    host, port = channels[1].address.rsplit(":", 1)
+    connect = (f"import socket, sys; sys.stdin.read(1); s = [socket.create_connection("
+               f"({host!r}, {port})) for _ in range(3)]")
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    lowest_free = os.dup(0)
+    os.close(lowest_free)
+    with subprocess.Popen([sys.executable, "-c", connect], stdin=subprocess.PIPE) as strangers:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (lowest_free, hard))  # no new descriptor
+        try:
+            strangers.stdin.write(b"go")
+            strangers.stdin.flush()
+            strangers.wait(timeout=30)
+            time.sleep(0.3)  # the reader's accepts fail meanwhile
+        finally:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    channels[2].send(1, "t.hello", b"still here")
+    _until(lambda: got[1])
+    assert [m.payload for m in got[1]] == [b"still here"]
 
 
 def test_bytes_that_are_not_frames_are_dropped_with_their_connection(channels):

@@ -12,7 +12,10 @@ torchrun) then report the true cause first, and take down the others. Where nobo
 (srun without ``--kill-on-bad-exit``, ranks started by hand) they end themselves a moment later.
 
 Notices travel on the side channel (``launcher.faults.side_channel``) as one broadcast; each rank
-that takes one acknowledges it to the failing rank.
+that takes one acknowledges it to the failing rank, unless it is failing itself: when every rank
+fails at once (the commonest bug) each has printed its own traceback, nobody acknowledges
+(N - 1 acks a rank, to as many ranks, would open N^2 connections), and a failing rank stops
+waiting for acks once another rank's notice has come.
 Exit status: that of the failure, ``EXIT_RANK_FAILED`` for an exception and ``EXIT_USER_ERROR``
 for a LaunchError seen by one rank only; on every rank.
 """
@@ -103,14 +106,19 @@ class Watchdog:
         self.notice: Notice | None = None
         self._notices: queue.SimpleQueue[Notice | None] = queue.SimpleQueue()
         self._acks = 0
+        #: set when another rank's notice came: it fails too, and acknowledges nothing
+        self._peer_failed = threading.Event()
         self._thread = None
         if channel is not None:
-            channel.on(NOTICE_KIND, lambda message: self._notices.put(
-                Notice.decode(message.payload)))
+            channel.on(NOTICE_KIND, self._take_notice)
             channel.on(ACK_KIND, self._count_ack)
             self._thread = threading.Thread(target=self._watch, name="ddp-failfast",
                                             daemon=True)
             self._thread.start()
+
+    def _take_notice(self, message) -> None:
+        self._peer_failed.set()
+        self._notices.put(Notice.decode(message.payload))
 
     def _count_ack(self, _message) -> None:
         self._acks += 1
@@ -122,8 +130,7 @@ class Watchdog:
     def _watch(self) -> None:
         while (notice := self._notices.get()) is not None:
             if self._failing.is_set():
-                self._acknowledge(notice)
-                continue  # this rank reports a failure of its own
+                continue  # failing too: its own traceback tells, and the peer waits no more
             self.notice = notice
             for line in notice.text().splitlines():
                 print(f"[rank {self._env.rank}] {line}", file=sys.stderr, flush=True)
@@ -153,7 +160,9 @@ class Watchdog:
         if self.channel is not None:
             try:
                 self.channel.broadcast(NOTICE_KIND, notice.encode())
-                _wait_until(lambda: self._acks >= self._env.world_size - 1)
+                # a rank that fails too acknowledges nothing: its own traceback says enough
+                _wait_until(lambda: self._acks >= self._env.world_size - 1
+                            or self._peer_failed.is_set())
             except ChannelGone:  # the launcher must end the rest
                 pass
         return notice.status

@@ -30,6 +30,7 @@ import select
 import selectors
 import socket
 import threading
+import time
 import traceback
 
 import torch.distributed as dist
@@ -53,6 +54,8 @@ from launcher.placement.env import JobEnv
 CONNECT_S = 10.0
 #: a send not taken by then fails (a peer that has not read for hours: its buffers are full)
 SEND_S = 5.0
+#: the reader's pause after a failed accept, which the listener's next select reports again
+_ACCEPT_RETRY_S = 0.05
 
 
 def reachable_at(env: JobEnv) -> str:
@@ -201,7 +204,13 @@ class SocketSideChannel(SideChannel):
                     if key.fileobj is self._woken:
                         return
                     if key.fileobj is self._listener:
-                        conn, _ = self._listener.accept()
+                        try:
+                            conn, _ = self._listener.accept()
+                        except OSError:
+                            # out of descriptors (EMFILE) or a peer gone before its accept: the
+                            # reader must go on; the peer's connect waits in the backlog
+                            time.sleep(_ACCEPT_RETRY_S)
+                            continue
                         conn.setblocking(False)
                         selector.register(conn, selectors.EVENT_READ, data=[b""])
                     elif not self._read(key.fileobj, key.data):
