@@ -271,7 +271,8 @@ import os, signal, subprocess, sys, time
 import torch, torch.distributed as dist
 import launcher
 from launcher.faults import heartbeat
-with launcher.distributed(backend="gloo", timeout_s=3, status_dir=sys.argv[1]) as job:
+# a timeout long enough for 3 interpreters to meet on a loaded machine (CI: 4 workers, 2 cores)
+with launcher.distributed(backend="gloo", timeout_s=15, status_dir=sys.argv[1]) as job:
     meet = torch.tensor([time.time() + 11.0], dtype=torch.float64)
     dist.broadcast(meet, 0)
     if job.rank == 2:
@@ -283,7 +284,7 @@ with launcher.distributed(backend="gloo", timeout_s=3, status_dir=sys.argv[1]) a
     job.print(f"silent: {heartbeat._waits[0].silent()}", every_rank=True)
     with job.agree():
         if job.rank == 0:
-            time.sleep(5)  # busy, as a checkpoint write: the others' waits pass the timeout
+            time.sleep(18)  # busy, as a checkpoint write: the others' waits pass the timeout
     dist.all_reduce(torch.ones(1))
     job.print("done", every_rank=True)
 """
