@@ -4,6 +4,7 @@ host names, torch's own rendezvous)."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from dataclasses import replace
@@ -22,9 +23,10 @@ from tests.fixtures.mpi import REPO_ROOT, clean_environ
 # attempt 0: rank 1 dies once the group is up, after the side channel published its port;
 # attempt 1 must meet without dialling that dead port
 RESTARTED = """\
-import os, torch, torch.distributed as dist, launcher
+import os, sys, torch, torch.distributed as dist, launcher
 attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
-with launcher.distributed("gloo", timeout_s=30) as job:
+# a status directory of the test's own: rank 0's post-mortem of attempt 0 goes there, not /tmp
+with launcher.distributed("gloo", timeout_s=30, status_dir=sys.argv[1]) as job:
     if attempt == "0" and job.rank == 1:
         os._exit(1)
     total = torch.ones(1)
@@ -39,11 +41,12 @@ def test_a_restarted_attempt_meets_again(tmp_path: Path):
     torchrun = Path(sys.executable).parent / "torchrun"
     result = subprocess.run(
         [str(torchrun), "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
-         str(script)],
+         str(script), str(tmp_path / "run")],
         capture_output=True, text=True, timeout=120, env=clean_environ(), cwd=REPO_ROOT)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output
-    assert sorted(line for line in result.stdout.splitlines() if line.startswith("attempt")) == [
+    # with a status directory, ranks but 0 prefix their lines "[host:rank] " (rank_output)
+    assert sorted(re.findall(r"attempt \d rank \d: sum [\d.]+", result.stdout)) == [
         "attempt 1 rank 0: sum 2.0", "attempt 1 rank 1: sum 2.0"], output
 
 
