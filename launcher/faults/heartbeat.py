@@ -4,8 +4,8 @@ A stopped process (SIGSTOP, a node frozen in swap, a hung file system) answers n
 raises nothing: only its silence tells. Each rank runs a thread that every ``BEAT_S`` beats to
 its two watchers (``launcher.faults.watch``) and notes when it last heard from the ranks it watches.
 A rank not heard for ``SILENT_S`` is silent: its watchers tell every rank (one broadcast on the
-side channel, renewed each beat while it stays silent), so each survivor names every silent
-rank, not only the ones it watches. A silent rank can come back (a node out of swap, SIGCONT):
+side channel, renewed every ``RENEW_S`` while it stays silent), so each survivor names every
+silent rank, not only the ones it watches. A silent rank can come back (out of swap, SIGCONT):
 its watchers then tell every rank that it is heard again, and a tell not renewed lapses after
 ``TELL_S``, so that nobody names it later in the job. A watcher frozen itself judges nobody
 until it has read the beats that came meanwhile. The ranks' waits ask here, when their
@@ -51,6 +51,9 @@ BUSY_LIMIT = 10
 #: waiting on a connection), short enough that a rank whose word "heard again" was lost or
 #: overtaken is not named long after it came back
 TELL_S = 2 * SILENT_S
+#: how often a watcher renews its tell while the rank stays silent: twice per TELL_S, not each
+#: beat, so that a lost rack of K ranks costs every rank about 2K/RENEW_S messages a second
+RENEW_S = TELL_S / 2
 #: a beating thread that wakes this much later than BEAT_S was frozen with its process
 #: (SIGSTOP, swap) or starved of the GIL: the beats that came meanwhile still wait to be read
 LATE_S = 2 * BEAT_S
@@ -86,6 +89,8 @@ class Heartbeat:
         self._told_at = -math.inf
         #: the watched ranks this rank told silent, until it tells that they are heard again
         self._reported: set[int] = set()
+        #: when this rank last told the ranks it reports (a new one is told at once)
+        self._renewed_at = -math.inf
         self._stop = threading.Event()
         beats.on(SILENT_KIND, self._hear_silent)
         beats.on(HEARD_KIND, self._hear_back)
@@ -140,14 +145,16 @@ class Heartbeat:
         return self._unheard(heard, now, self._since)
 
     def _tell_silent(self) -> None:
-        """Tell every rank which watched ranks are silent (each beat, which renews the tell),
-        and which of those told before are heard again: O(silent ranks) a beat, none while
-        every rank beats."""
+        """Tell every rank which watched ranks are silent (at once when one is new, then every
+        RENEW_S, which renews the tell), and which of those told before are heard again: one
+        message per watcher of a silent rank, none while every rank beats."""
         heard, now = self._beats.heard_at(), time.monotonic()
         back = self._reported - self._unheard(heard, now, -math.inf)  # beats heard, or left
         quiet = self._quiet()
+        new = quiet - self._reported
         self._reported = (self._reported - back) | quiet
-        if quiet:
+        if new or (quiet and now - self._renewed_at >= RENEW_S):
+            self._renewed_at = now
             self._note_told(quiet)
             self._tell(SILENT_KIND, quiet)
         if back:
