@@ -7,8 +7,13 @@ A rank not heard for ``SILENT_S`` is silent: its watchers tell every rank (one b
 side channel, renewed every ``RENEW_S`` while it stays silent), so each survivor names every
 silent rank, not only the ones it watches. A silent rank can come back (out of swap, SIGCONT):
 its watchers then tell every rank that it is heard again, and a tell not renewed lapses after
-``TELL_S``, so that nobody names it later in the job. A watcher frozen itself judges nobody
-until it has read the beats that came meanwhile. The ranks' waits ask here, when their
+``TELL_S``, so that nobody names it later in the job. A watcher that leaves the job (most
+often after a failure, once it named the silent ranks itself) tells its last word: the ranks it
+found silent, kept by every rank until they are heard again, since nobody renews that tell; a
+rank whose own collective fails later still names them. Tells go out on a thread of their own:
+a broadcast waiting on a peer (a connection to a lost node's rank that times out) never holds
+up this rank's beats. A watcher frozen itself judges nobody until it has read the beats that
+came meanwhile. The ranks' waits ask here, when their
 timeout passes, whether a peer is silent (``PeerLost`` naming its rank and node) or alive and
 busy (writing a checkpoint, evaluating: the wait goes on, up to ``BUSY_LIMIT`` times the
 timeout).
@@ -22,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import queue
 import threading
 import time
 from datetime import timedelta
@@ -57,14 +63,17 @@ RENEW_S = TELL_S / 2
 #: a beating thread that wakes this much later than BEAT_S was frozen with its process
 #: (SIGSTOP, swap) or starved of the GIL: the beats that came meanwhile still wait to be read
 LATE_S = 2 * BEAT_S
+#: how long a rank that leaves waits for its last word to go out (a peer out of reach holds it)
+LAST_WORD_S = 2 * BEAT_S
 #: what to do after a lost peer, wherever it is reported
 HINT = ("look at the named node (died, stopped, out of memory, cut off the network); then run "
         "the same command again: it continues from the last checkpoint (launcher.train's "
         "--resume auto, job.resume in a script of your own)")
 
-#: the side channel's kinds for "these ranks are silent" (renewed each beat while they stay
-#: so) and "these ranks are heard again", told by their watchers to all
-SILENT_KIND, HEARD_KIND = "ddp.silent", "ddp.heard"
+#: the side channel's kinds for "these ranks are silent" (renewed every RENEW_S while they
+#: stay so), "these ranks are heard again", and a leaving watcher's last word ("these ranks are
+#: silent", kept until heard again), told by the watchers to all
+SILENT_KIND, HEARD_KIND, LAST_KIND = "ddp.silent", "ddp.heard", "ddp.silent.last"
 
 
 class Heartbeat:
@@ -92,23 +101,33 @@ class Heartbeat:
         #: when this rank last told the ranks it reports (a new one is told at once)
         self._renewed_at = -math.inf
         self._stop = threading.Event()
+        #: the tells waiting to go out, in order; None: no more
+        self._tells: queue.SimpleQueue[tuple[str, list[int]] | None] = queue.SimpleQueue()
         beats.on(SILENT_KIND, self._hear_silent)
+        beats.on(LAST_KIND, self._hear_last)
         beats.on(HEARD_KIND, self._hear_back)
         self._thread = threading.Thread(target=self._beat, name="ddp-heartbeat", daemon=True)
+        self._teller = threading.Thread(target=self._send_tells, name="ddp-heartbeat-tells",
+                                        daemon=True)
         self._thread.start()
+        self._teller.start()
 
     def _hear_silent(self, message) -> None:
         self._note_told(json.loads(message.payload))
 
+    def _hear_last(self, message) -> None:
+        self._note_told(json.loads(message.payload), for_good=True)
+
     def _hear_back(self, message) -> None:
         self._forget(json.loads(message.payload))
 
-    def _note_told(self, ranks) -> None:
+    def _note_told(self, ranks, for_good: bool = False) -> None:
         now = time.monotonic()
+        hold_s = math.inf if for_good else TELL_S
         if any(self._told.get(rank, -math.inf) <= now for rank in ranks):  # a renewal is no news
             self._told_at = now
         for rank in ranks:
-            self._told[rank] = now + TELL_S
+            self._told[rank] = max(self._told.get(rank, -math.inf), now + hold_s)
 
     def _forget(self, ranks) -> None:
         for rank in ranks:
@@ -162,8 +181,13 @@ class Heartbeat:
             self._tell(HEARD_KIND, back)
 
     def _tell(self, kind: str, ranks: set[int]) -> None:
-        with contextlib.suppress(Exception):  # the survivors still see what they watch
-            self._beats.broadcast(kind, json.dumps(sorted(ranks)).encode())
+        self._tells.put((kind, sorted(ranks)))
+
+    def _send_tells(self) -> None:
+        while (tell := self._tells.get()) is not None:
+            kind, ranks = tell
+            with contextlib.suppress(Exception):  # the survivors still see what they watch
+                self._beats.broadcast(kind, json.dumps(ranks).encode())
 
     def silent(self) -> list[int]:
         """The ranks not heard for SILENT_S, by this rank or by their other watchers."""
@@ -199,9 +223,14 @@ class Heartbeat:
                         nodes=tuple(dict.fromkeys(self.nodes[rank] for rank in silent)))
 
     def leave(self, failed: bool = False) -> None:
-        """This rank leaves the job (``failed``: after a failure): no more beats, and its
-        watchers told that it left, so that no survivor names it as silent, a lost node."""
+        """This rank leaves the job (``failed``: after a failure): no more beats; every rank
+        told the ranks it found silent, for good (nobody renews the tell now), and its
+        watchers that it left, so that no survivor names it as silent, a lost node."""
         self._stop.set()
+        if self._reported:
+            self._tell(LAST_KIND, self._reported)
+        self._tells.put(None)
+        self._teller.join(timeout=LAST_WORD_S)
         self._beats.leave(failed)
 
     def close(self) -> None:
