@@ -8,6 +8,7 @@ without stopping the others, a port the ranks cannot reach is an error on every 
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 import os
@@ -23,7 +24,7 @@ import pytest
 import torch.distributed as dist
 
 from launcher.core.errors import LaunchError
-from launcher.faults import side_addresses, side_socket, side_wire
+from launcher.faults import side_addresses, side_links, side_socket, side_wire
 from launcher.faults.side_channel import ChannelGone, forwards, neighbours
 from launcher.faults.side_socket import SocketSideChannel
 from launcher.placement.env import detect_environment
@@ -135,7 +136,7 @@ def test_a_beat_never_waits_behind_a_send_to_one_watcher(channels):
     a stopped rank holds it up to SEND_S) does not hold the beat to the other: the first
     beat is dropped, the second watcher hears this rank at once."""
     first, second = channels[0].watch.watchers
-    with channels[0]._lock(first):
+    with channels[0]._links.lock(first):
         beating = threading.Thread(target=channels[0].exchange, daemon=True)
         beating.start()
         beating.join(timeout=1.0)
@@ -264,7 +265,7 @@ def test_a_watcher_out_of_reach_is_an_error_on_every_rank(server, monkeypatch):
     connect, and every rank says so at the start, naming them, instead of finding everyone
     silent later."""
     real = side_socket.reachable_at
-    monkeypatch.setattr(side_socket, "CONNECT_S", 0.5)
+    monkeypatch.setattr(side_links, "CONNECT_S", 0.5)
     monkeypatch.setattr(side_socket, "reachable_at",
                         lambda env: "192.0.2.1" if env.rank == 2 else real(env))
     opened = _open(server.port)
@@ -295,3 +296,32 @@ def test_frames_come_back_whole_and_strangers_bytes_do_not():
     for stranger in (b"GET / HTTP/1.0\r\n", b"1 1 %d\n" % (side_wire.MAX_FRAME + 1)):
         with pytest.raises(ValueError):
             side_wire.unframe(stranger)
+
+
+def test_a_lost_nodes_rank_does_not_hold_up_what_the_others_relay(channels, monkeypatch):
+    """Rank 3's node is gone mid-job (powered off: connections to it time out, nothing refuses
+    them). A broadcast that a rank passes on to rank 3 does not wait for that connection
+    before the rank itself and the ranks after it take it."""
+    monkeypatch.setattr(side_links, "CONNECT_S", 5.0)
+    hole = socket.create_server(("127.0.0.1", 0), backlog=0)  # a full backlog drops SYNs
+    filler = [socket.socket() for _ in range(2)]
+    for sock in filler:
+        sock.settimeout(0.3)
+        with contextlib.suppress(OSError):
+            sock.connect(hole.getsockname())
+    try:
+        for channel in channels:
+            if channel is not channels[3]:
+                channel._addresses._known[3] = "127.0.0.1:%d" % hole.getsockname()[1]
+                with channel._links.lock(3):
+                    stale = channel._links._out.pop(3, None)
+                if stale is not None:
+                    stale.close()
+        got = _collect(channels, "t.lost")
+        sent_at = time.monotonic()
+        channels[0].broadcast("t.lost")
+        _until(lambda: all(got[rank] for rank in (1, 2, 4, 5)), 10.0)
+        assert time.monotonic() - sent_at < 2.0, [len(box) for box in got]
+    finally:
+        for sock in [hole, *filler]:
+            sock.close()

@@ -199,6 +199,10 @@ class SideChannel:
                     pass
         return taken
 
+    def _relay(self, item: tuple) -> None:
+        """Pass on a broadcast that arrived (on the thread that handles what arrives)."""
+        self._pass_on(item)
+
     def post(self, name: str, value: bytes) -> None:
         self._posts.own[name] = value
 
@@ -227,7 +231,7 @@ class SideChannel:
             if (origin, sequence) in self._seen:
                 return
             self._seen.add((origin, sequence))
-            self._pass_on(item)
+            self._relay(item)
         if kind == _READ:
             ask, name = payload.decode().split(" ", 1)
             value = self._posts.own.get(name)

@@ -16,7 +16,10 @@ is found at the start, on every rank, with the ranks and the address named.
 
 Beats are taken on the reading thread itself; messages go to a second thread, which passes
 broadcasts on, answers reads and calls the handlers: a send that waits for a connection, or a
-slow handler, never holds up the beats heard.
+slow handler, never holds up the beats heard. A broadcast passed on to a rank not connected to
+yet goes out on a short-lived thread of its own for that rank: a lost node's ranks time out
+their connections (``launcher.faults.side_links``), and neither this rank's handlers nor the messages after it
+wait for that.
 
 What travels is frames (``launcher.faults.side_wire``), not pickles: anyone who reaches the
 port could send one.
@@ -26,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import queue
-import select
 import selectors
 import socket
 import threading
@@ -37,7 +39,8 @@ import torch.distributed as dist
 
 from launcher.core.errors import LaunchError
 from launcher.faults.side_addresses import Addresses
-from launcher.faults.side_channel import ChannelGone, SideChannel, neighbours
+from launcher.faults.side_channel import ChannelGone, SideChannel, forwards, neighbours
+from launcher.faults.side_links import Links
 from launcher.faults.side_wire import (
     BEAT,
     LEFT,
@@ -50,10 +53,6 @@ from launcher.faults.side_wire import (
 from launcher.placement import network
 from launcher.placement.env import JobEnv
 
-#: a connection not made by then fails: the peer's node is gone, or a firewall drops it
-CONNECT_S = 10.0
-#: a send not taken by then fails (a peer that has not read for hours: its buffers are full)
-SEND_S = 5.0
 #: the reader's pause after a failed accept, which the listener's next select reports again
 _ACCEPT_RETRY_S = 0.05
 
@@ -75,11 +74,6 @@ def _listen(host: str) -> socket.socket:
         return socket.create_server(("", 0), backlog=128)
 
 
-def _split(address: str) -> tuple[str, int]:
-    host, _, port = address.rpartition(":")
-    return host, int(port)
-
-
 class SocketSideChannel(SideChannel):
     """The side channel over TCP connections between the ranks."""
 
@@ -91,11 +85,8 @@ class SocketSideChannel(SideChannel):
         host = reachable_at(env)
         self._listener = _listen(host)
         self.address = f"{host}:{self._listener.getsockname()[1]}"
-        self._out: dict[int, socket.socket] = {}
-        self._locks: dict[int, threading.Lock] = {}
-        self._locks_lock = threading.Lock()
-        self._gone: set[int] = set()
         self._addresses = Addresses(env)
+        self._links = Links(self._addresses)
         rank = env.rank
         super().__init__(env, self._addresses.publish(store, self.address))
         self._addresses.fetch(store, [peer for peer in dict.fromkeys(
@@ -124,75 +115,41 @@ class SocketSideChannel(SideChannel):
     def _reach(self, peer: int) -> str:
         """Connect to ``peer``; what went wrong, or "" when it is reached."""
         try:
-            with self._lock(peer):
-                self._connection(peer)
+            self._links.connect(peer)
         except ChannelGone as exc:
             return (f"rank {self.rank} on {self.node(self.rank)} cannot reach rank {peer} on "
                     f"{self.node(peer)} at {self._addresses.known(peer)}: {exc}")
         return ""
 
-    def _lock(self, peer: int) -> threading.Lock:
-        with self._locks_lock:
-            return self._locks.setdefault(peer, threading.Lock())
-
-    def _connection(self, peer: int) -> socket.socket:
-        """The connection to ``peer`` (made now if need be); under ``peer``'s lock."""
-        sock = self._out.get(peer)
-        if sock is not None:
-            return sock
-        if peer in self._gone:
-            raise ChannelGone(f"rank {peer} is out of reach")
-        try:
-            sock = socket.create_connection(_split(self._addresses[peer]), timeout=CONNECT_S)
-        except OSError as exc:
-            self._gone.add(peer)
-            raise ChannelGone(str(exc)) from exc
-        sock.settimeout(SEND_S)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._out[peer] = sock
-        return sock
-
-    def _send(self, peer: int, data: bytes) -> None:
-        with self._lock(peer):
-            self._send_locked(peer, data)
-
-    def _send_locked(self, peer: int, data: bytes) -> None:
-        sock = self._connection(peer)
-        try:
-            sock.sendall(data)
-        except OSError as exc:  # it ended (reset), or has not read for SEND_S
-            sock.close()
-            self._out.pop(peer, None)
-            self._gone.add(peer)
-            raise ChannelGone(f"rank {peer}: {exc}") from exc
-
     def _beat(self, peer: int) -> None:
-        """A beat that would wait is dropped, not queued: behind a message still going out to
-        ``peer``, or into a full buffer (it reads nothing: stopped). Waiting up to SEND_S
-        there would hold this rank's beats to its other watcher too, long enough for that
-        one to find this rank silent."""
-        lock = self._lock(peer)
-        if not lock.acquire(blocking=False):
-            return
-        try:
-            sock = self._out.get(peer)
-            if sock is not None and not _writable(sock):
-                return
-            with contextlib.suppress(ChannelGone):  # ended: this rank's other watcher hears it
-                self._send_locked(peer, frame(self.rank, BEAT, b""))
-        finally:
-            lock.release()
+        self._links.beat(peer, frame(self.rank, BEAT, b""))
+
+    def _encode(self, item: tuple) -> bytes:
+        return encode_item(
+            self.address if item[0] == self.rank else self._addresses.known(item[0]), item)
 
     def _send_item(self, dest: int, item: tuple) -> None:
-        address = self.address if item[0] == self.rank else self._addresses.known(item[0])
-        self._send(dest, encode_item(address, item))
+        self._links.send(dest, self._encode(item))
+
+    def _relay(self, item: tuple) -> None:
+        """Pass a broadcast on at once where a connection is open, and on a thread of its own
+        to each rank where one must be made first (``Links.send_later``)."""
+        origin, data = item[0], self._encode(item)
+        for peer in forwards(self.rank, origin, self.world_size):
+            if peer == origin or self._links.gone(peer):
+                continue
+            if self._links.connected(peer):
+                with contextlib.suppress(ChannelGone):  # the other tree carries it there
+                    self._links.send(peer, data)
+            else:
+                self._links.send_later(peer, data)
 
     def leave(self, failed: bool = False) -> None:
         """This rank leaves the job (also after a failure): its watchers count it as heard
         from now on (it ended, it is not lost)."""
         for peer in self.watch.watchers:
             with contextlib.suppress(ChannelGone):
-                self._send(peer, frame(self.rank, LEFT, b""))
+                self._links.send(peer, frame(self.rank, LEFT, b""))
 
     def _pump(self) -> None:
         selector = selectors.DefaultSelector()
@@ -266,14 +223,8 @@ class SocketSideChannel(SideChannel):
             reading.join(timeout=5)
         self._inbox.put(None)
         handling.join(timeout=5)
-        for sock in [*self._out.values(), self._listener, self._wake, self._woken]:
+        self._links.close()
+        for sock in (self._listener, self._wake, self._woken):
             sock.close()
-        self._out.clear()
         self._addresses.close()
 
-
-def _writable(sock: socket.socket) -> bool:
-    """Whether ``sock`` takes a few bytes now (poll: no FD_SETSIZE limit, unlike select)."""
-    poller = select.poll()
-    poller.register(sock, select.POLLOUT)
-    return bool(poller.poll(0))
