@@ -199,10 +199,6 @@ class SideChannel:
                     pass
         return taken
 
-    def _relay(self, item: tuple) -> None:
-        """Pass on a broadcast that arrived (on the thread that handles what arrives)."""
-        self._pass_on(item)
-
     def post(self, name: str, value: bytes) -> None:
         self._posts.own[name] = value
 
@@ -231,7 +227,7 @@ class SideChannel:
             if (origin, sequence) in self._seen:
                 return
             self._seen.add((origin, sequence))
-            self._relay(item)
+            self._pass_on(item)
         if kind == _READ:
             ask, name = payload.decode().split(" ", 1)
             value = self._posts.own.get(name)

@@ -16,10 +16,10 @@ is found at the start, on every rank, with the ranks and the address named.
 
 Beats are taken on the reading thread itself; messages go to a second thread, which passes
 broadcasts on, answers reads and calls the handlers: a send that waits for a connection, or a
-slow handler, never holds up the beats heard. A broadcast passed on to a rank not connected to
-yet goes out on a short-lived thread of its own for that rank: a lost node's ranks time out
-their connections (``launcher.faults.side_links``), and neither this rank's handlers nor the messages after it
-wait for that.
+slow handler, never holds up the beats heard. A broadcast sent or passed on to a rank not
+connected to yet goes out on a short-lived thread of its own for that rank: a lost node's
+ranks time out their connections (``launcher.faults.side_links``), and neither this rank's
+handlers nor the messages after it wait for that.
 
 What travels is frames (``launcher.faults.side_wire``), not pickles: anyone who reaches the
 port could send one.
@@ -131,18 +131,22 @@ class SocketSideChannel(SideChannel):
     def _send_item(self, dest: int, item: tuple) -> None:
         self._links.send(dest, self._encode(item))
 
-    def _relay(self, item: tuple) -> None:
-        """Pass a broadcast on at once where a connection is open, and on a thread of its own
-        to each rank where one must be made first (``Links.send_later``)."""
-        origin, data = item[0], self._encode(item)
+    def _pass_on(self, item: tuple) -> int:
+        """Send a broadcast on to this rank's children in both trees: at once where a
+        connection is open, and on a thread of its own to each child that must be connected
+        to first (``Links.send_later``); how many took it or may still take it."""
+        origin, data, taken = item[0], self._encode(item), 0
         for peer in forwards(self.rank, origin, self.world_size):
             if peer == origin or self._links.gone(peer):
                 continue
-            if self._links.connected(peer):
-                with contextlib.suppress(ChannelGone):  # the other tree carries it there
-                    self._links.send(peer, data)
-            else:
+            if not self._links.connected(peer):
                 self._links.send_later(peer, data)
+                taken += 1
+                continue
+            with contextlib.suppress(ChannelGone):  # the other tree carries it there
+                self._links.send(peer, data)
+                taken += 1
+        return taken
 
     def leave(self, failed: bool = False) -> None:
         """This rank leaves the job (also after a failure): its watchers count it as heard
