@@ -67,6 +67,9 @@ class _Beats:
     def leave(self, failed: bool = False) -> None:
         pass
 
+    def drain(self, timeout_s: float) -> None:
+        pass
+
 
 def test_heartbeat_names_the_silent_ranks_nodes(monkeypatch):
     monkeypatch.setattr(heartbeat, "SILENT_S", 0.5)

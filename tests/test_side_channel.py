@@ -328,3 +328,24 @@ def test_a_lost_nodes_rank_does_not_hold_up_a_broadcast(channels, monkeypatch, o
     finally:
         for sock in [hole, *filler]:
             sock.close()
+
+
+def test_a_rank_that_ends_first_lets_its_broadcast_go_out(channels, monkeypatch):
+    """A failing rank broadcasts its notice and ends: what still waits for a connection to a
+    child (made on a thread of its own; slow here) goes out first (``drain``), else that
+    child's subtree would miss the notice."""
+    connect = socket.create_connection
+
+    def slow(*args, **kwargs):
+        time.sleep(0.5)
+        return connect(*args, **kwargs)
+
+    monkeypatch.setattr(side_links.socket, "create_connection", slow)
+    got = _collect(channels, "t.last")
+    unmet = [peer for peer in forwards(1, 1, WORLD) if not channels[1]._links.connected(peer)]
+    assert unmet, "every child of rank 1 connected already: nothing to wait for"
+    channels[1].broadcast("t.last")
+    channels[1].drain(5.0)
+    channels[1].close()
+    _until(lambda: all(got[rank] for rank in range(WORLD) if rank != 1))
+    assert [len(box) for box in got] == [1, 0, 1, 1, 1, 1]

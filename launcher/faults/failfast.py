@@ -163,6 +163,7 @@ class Watchdog:
                 # a rank that fails too acknowledges nothing: its own traceback says enough
                 _wait_until(lambda: self._acks >= self._env.world_size - 1
                             or self._peer_failed.is_set())
+                self.channel.drain(ACK_WAIT_S)  # children still being connected to
             except ChannelGone:  # the launcher must end the rest
                 pass
         return notice.status

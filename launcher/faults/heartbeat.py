@@ -231,6 +231,7 @@ class Heartbeat:
             self._tell(LAST_KIND, self._reported)
         self._tells.put(None)
         self._teller.join(timeout=LAST_WORD_S)
+        self._beats.drain(LAST_WORD_S)
         self._beats.leave(failed)
 
     def close(self) -> None:

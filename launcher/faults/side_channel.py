@@ -199,6 +199,11 @@ class SideChannel:
                     pass
         return taken
 
+    def drain(self, timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` for what this rank sent to be on its way: before it ends,
+        which would drop what a transport still holds (the TCP one connects to a child on a
+        thread of its own)."""
+
     def post(self, name: str, value: bytes) -> None:
         self._posts.own[name] = value
 

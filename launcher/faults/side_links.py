@@ -37,6 +37,7 @@ class Links:
         #: what waits to go to ranks being connected to, each rank's in order
         self._pending: dict[int, list[bytes]] = {}
         self._pending_lock = threading.Lock()
+        self._sent = threading.Condition(self._pending_lock)
 
     def lock(self, peer: int) -> threading.Lock:
         """Held while something goes out to ``peer``."""
@@ -122,12 +123,18 @@ class Links:
             with self._pending_lock:
                 if not waiting:
                     del self._pending[peer]
+                    self._sent.notify_all()
                     return
                 data = waiting[0]
             with contextlib.suppress(ChannelGone):
                 self.send(peer, data)
             with self._pending_lock:
                 waiting.pop(0)
+
+    def drain(self, timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` for what ``send_later`` took to go out (or fail)."""
+        with self._sent:
+            self._sent.wait_for(lambda: not self._pending, timeout_s)
 
     def close(self) -> None:
         self._closed = True

@@ -148,6 +148,9 @@ class SocketSideChannel(SideChannel):
                 taken += 1
         return taken
 
+    def drain(self, timeout_s: float) -> None:
+        self._links.drain(timeout_s)
+
     def leave(self, failed: bool = False) -> None:
         """This rank leaves the job (also after a failure): its watchers count it as heard
         from now on (it ended, it is not lost)."""
