@@ -47,6 +47,7 @@ class _Beats:
 
     nodes = ["n0", "n1", "n2"]
     watch = Watch(watchers=(0, 2), watched=(0, 2))
+    sends_after_failure = True
 
     def __init__(self, alive: set[int]):
         self.alive = alive

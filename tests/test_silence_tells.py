@@ -80,3 +80,41 @@ def test_a_tell_waiting_to_go_out_does_not_hold_up_the_beats(monkeypatch):
     finally:
         held.set()
         beat.close()
+
+
+def test_a_rank_this_rank_hears_is_not_silent_whatever_it_was_told(monkeypatch):
+    """A watcher that left said rank 2 was silent (wrongly: its own reading was starved).
+    Rank 1, which watches rank 2 too and hears it, does not name it; a rank it does not
+    watch, told the same way, it does."""
+    monkeypatch.setattr(heartbeat, "BEAT_S", 0.05)
+    beats = _Beats({0, 2})
+    beats.nodes = ["n0", "n1", "n2", "n3"]
+    beat = heartbeat.Heartbeat(_env(world_size=4), beats)
+    try:
+        deadline = time.monotonic() + 10
+        while 2 not in beats.heard_at() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        beat._hear_last(_told("[2, 3]"))
+        assert beat.silent() == [3]
+    finally:
+        beat.close()
+
+
+def test_no_last_word_after_a_failure_over_a_transport_that_must_not_send(monkeypatch):
+    """Over MPI a message to a dead peer's endpoint can crash the library: a rank that failed
+    sends nothing more (``sends_after_failure``), its last word included."""
+    monkeypatch.setattr(heartbeat, "SILENT_S", 0.3)
+    monkeypatch.setattr(heartbeat, "BEAT_S", 0.05)
+    beats, told = _Beats({0}), []
+    beats.sends_after_failure = False
+    beats.broadcast = lambda kind, payload: told.append((kind, payload))
+    beat = heartbeat.Heartbeat(_env(), beats)
+    try:
+        deadline = time.monotonic() + 10
+        while not told and time.monotonic() < deadline:
+            time.sleep(0.01)
+        beat.leave(failed=True)
+        beat.leave(failed=True)  # once is enough: the second does nothing
+    finally:
+        beat.close()
+    assert [kind for kind, _ in told] == [heartbeat.SILENT_KIND], told

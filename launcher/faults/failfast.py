@@ -143,7 +143,9 @@ class Watchdog:
                 except PeerFailed as exc:
                     _tell_torchrun(exc)
             self._acknowledge(notice)  # after the line: the failing rank ends next
-            time.sleep(FOLLOW_S)
+            follow_at = time.monotonic() + FOLLOW_S
+            self.channel.drain(FOLLOW_S)  # the notice passed on to children connected to late
+            time.sleep(max(0.0, follow_at - time.monotonic()))
             os._exit(notice.status)
 
     def fail(self, exc: BaseException) -> int:
@@ -159,11 +161,13 @@ class Watchdog:
         notice = Notice.of(self._env, exc)
         if self.channel is not None:
             try:
+                given_up_at = time.monotonic() + ACK_WAIT_S
                 self.channel.broadcast(NOTICE_KIND, notice.encode())
                 # a rank that fails too acknowledges nothing: its own traceback says enough
                 _wait_until(lambda: self._acks >= self._env.world_size - 1
                             or self._peer_failed.is_set())
-                self.channel.drain(ACK_WAIT_S)  # children still being connected to
+                if self._acks < self._env.world_size - 1:  # children connected to late?
+                    self.channel.drain(max(0.0, given_up_at - time.monotonic()))
             except ChannelGone:  # the launcher must end the rest
                 pass
         return notice.status

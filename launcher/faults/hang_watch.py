@@ -193,7 +193,9 @@ class HangWatch:
         _print(self.rank, line)
         self._written.wait(ACK_S / 2)  # its files, before rank 0 ends the job (MPI_Abort)
         _sent(self._channel.send, message.source, "hang.ack")
-        time.sleep(ACK_S / 2)  # rank 0 ends first (MPI_Abort): its status is the job's
+        end_at = time.monotonic() + ACK_S / 2  # rank 0 ends first (MPI_Abort): the job's status
+        self._channel.drain(ACK_S / 2)  # the verdict passed on to children connected to late
+        time.sleep(max(0.0, end_at - time.monotonic()))
         self._end(EXIT_HUNG)
 
     def _count_ack(self, message) -> None:
@@ -300,6 +302,8 @@ class HangWatch:
         expected = self._channel.world_size - 1 - len(self._ended)
         while self._acks < expected and time.monotonic() < deadline:
             time.sleep(0.05)
+        if self._acks < expected:  # children connected to late?
+            self._channel.drain(max(0.0, deadline - time.monotonic()))
         self._end(EXIT_HUNG)
 
 

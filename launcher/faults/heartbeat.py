@@ -81,7 +81,7 @@ class Heartbeat:
 
     def __init__(self, env: JobEnv, beats):
         """``beats``: the side channel (``exchange``, ``watch``, ``nodes``, ``on``,
-        ``broadcast``)."""
+        ``broadcast``, ``drain``, ``leave``, ``sends_after_failure``)."""
         self._env = env
         self._beats = beats
         self.nodes: list[str] = beats.nodes
@@ -190,8 +190,12 @@ class Heartbeat:
                 self._beats.broadcast(kind, json.dumps(ranks).encode())
 
     def silent(self) -> list[int]:
-        """The ranks not heard for SILENT_S, by this rank or by their other watchers."""
-        silent = self._quiet() | self._told_now()
+        """The ranks not heard for SILENT_S, by this rank or by their other watchers; a rank
+        this rank watches and hears is not silent, whatever it was told (a watcher that left
+        said so, and nobody takes a last word back)."""
+        heard, now = self._beats.heard_at(), time.monotonic()
+        hears = {rank for rank in self._watched if now - heard.get(rank, -math.inf) <= SILENT_S}
+        silent = self._quiet() | (self._told_now() - hears)
         silent.discard(self._env.rank)
         return sorted(silent)
 
@@ -226,8 +230,11 @@ class Heartbeat:
         """This rank leaves the job (``failed``: after a failure): no more beats; every rank
         told the ranks it found silent, for good (nobody renews the tell now), and its
         watchers that it left, so that no survivor names it as silent, a lost node."""
+        if self._stop.is_set():
+            return  # left already
         self._stop.set()
-        if self._reported:
+        self._thread.join(timeout=LAST_WORD_S)  # its last finds are in _reported, or told
+        if self._reported and (self._beats.sends_after_failure or not failed):
             self._tell(LAST_KIND, self._reported)
         self._tells.put(None)
         self._teller.join(timeout=LAST_WORD_S)

@@ -124,6 +124,10 @@ class SideChannel:
     transport moves the bytes (``_beat``: to one watcher; ``_send_item``: one message to one
     rank) and calls ``_heard`` and ``_receive`` for what arrives, on a thread of its own."""
 
+    #: whether a rank that failed may still send (its last word): not over MPI, where a
+    #: message to a dead peer's endpoint can crash the library (``MpiSideChannel.leave``)
+    sends_after_failure = True
+
     def __init__(self, env: JobEnv, nodes: Sequence[str]):
         self.rank = env.rank
         self.world_size = env.world_size
@@ -138,6 +142,7 @@ class SideChannel:
         self._heard_lock = threading.Lock()
         self._seen: set[tuple[int, int]] = set()
         self._sequence = 0
+        self._sequence_lock = threading.Lock()
         self._posts = Posts()
 
     def node(self, rank: int) -> str:
@@ -180,9 +185,11 @@ class SideChannel:
 
     def broadcast(self, kind: str, payload: bytes = b"") -> None:
         """To every other rank; ChannelGone when neither tree could take it."""
-        self._sequence += 1
-        item = (self.rank, self._sequence, kind, payload)
-        self._seen.add((self.rank, self._sequence))
+        with self._sequence_lock:  # the main, tells and hang threads all broadcast
+            self._sequence += 1
+            sequence = self._sequence
+        item = (self.rank, sequence, kind, payload)
+        self._seen.add((self.rank, sequence))
         if not self._pass_on(item) and self.world_size > 1:
             raise ChannelGone(f"no rank took rank {self.rank}'s broadcast")
 

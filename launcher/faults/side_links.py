@@ -3,9 +3,9 @@ made on first use and kept: its two watchers (made at the start, and checked), i
 tree neighbours and the few ranks it answers. A rank that refused or reset one is gone from
 then on: nothing more is sent to it, and the other broadcast tree carries what it would have.
 
-A send waits for its connection; ``send_later`` does not (a broadcast passed on while the
-channel's handler thread must go on: a connection to a lost node's rank waits ``CONNECT_S``),
-and ``beat`` drops rather than waits.
+A send waits for its connection; ``pass_on`` does not where one must be made first (a
+broadcast, which the channel's handler thread must not wait for: a connection to a lost node's
+rank waits ``CONNECT_S``), and ``beat`` drops rather than waits.
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ class Links:
         self._locks: dict[int, threading.Lock] = {}
         self._locks_lock = threading.Lock()
         self._gone: set[int] = set()
+        #: held to add a connection, and to close them all: none is added after ``close``
+        self._out_lock = threading.Lock()
         self._closed = False
         #: what waits to go to ranks being connected to, each rank's in order
         self._pending: dict[int, list[bytes]] = {}
@@ -43,9 +45,6 @@ class Links:
         """Held while something goes out to ``peer``."""
         with self._locks_lock:
             return self._locks.setdefault(peer, threading.Lock())
-
-    def connected(self, peer: int) -> bool:
-        return peer in self._out
 
     def gone(self, peer: int) -> bool:
         return peer in self._gone
@@ -67,12 +66,13 @@ class Links:
         except OSError as exc:
             self._gone.add(peer)
             raise ChannelGone(str(exc)) from exc
-        if self._closed:  # made on a thread of its own as the channel closed
-            sock.close()
-            raise ChannelGone("the side channel is closed")
         sock.settimeout(SEND_S)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._out[peer] = sock
+        with self._out_lock:
+            if self._closed:  # made on a thread of its own as the channel closed
+                sock.close()
+                raise ChannelGone("the side channel is closed")
+            self._out[peer] = sock
         return sock
 
     def send(self, peer: int, data: bytes) -> None:
@@ -107,40 +107,65 @@ class Links:
         finally:
             lock.release()
 
-    def send_later(self, peer: int, data: bytes) -> None:
-        """``data`` to ``peer`` on a short-lived thread of its own, after what waits for it
-        already; lost if ``peer`` cannot be reached."""
+    def pass_on(self, peer: int, data: bytes) -> bool:
+        """``data`` (a broadcast) to ``peer``: now over its connection, else on a short-lived
+        thread of its own that connects first, after what waits for ``peer`` already (so
+        that nothing overtakes it). False when ``peer`` is out of reach now."""
+        if peer in self._gone:
+            return False
         with self._pending_lock:
-            waiting = self._pending.setdefault(peer, [])
-            waiting.append(data)
-            if len(waiting) > 1:  # a thread is connecting to it, and sends this one next
-                return
-        threading.Thread(target=self._send_waiting, args=(peer, waiting),
-                         name="ddp-side-connect", daemon=True).start()
+            waiting = self._pending.get(peer)
+            if waiting is not None:  # a thread is on it, and sends this one after the others
+                waiting.append(data)
+                return True
+            if peer not in self._out:
+                self._pending[peer] = [data]
+                threading.Thread(target=self._send_waiting, args=(peer,),
+                                 name="ddp-side-connect", daemon=True).start()
+                return True
+        try:
+            self.send(peer, data)
+        except ChannelGone:
+            return False
+        return True
 
-    def _send_waiting(self, peer: int, waiting: list[bytes]) -> None:
-        while True:
-            with self._pending_lock:
-                if not waiting:
-                    del self._pending[peer]
-                    self._sent.notify_all()
-                    return
-                data = waiting[0]
-            with contextlib.suppress(ChannelGone):
-                self.send(peer, data)
-            with self._pending_lock:
-                waiting.pop(0)
+    def _send_waiting(self, peer: int) -> None:
+        data = None
+        try:
+            while True:
+                with self._pending_lock:
+                    waiting = self._pending[peer]
+                    if data is not None:
+                        waiting.pop(0)
+                    if not waiting:  # done: the next pass_on starts a thread of its own
+                        self._done(peer)
+                        return
+                    data = waiting[0]
+                with contextlib.suppress(ChannelGone):
+                    self.send(peer, data)
+        except BaseException:
+            with self._pending_lock:  # what still waits is lost, and nothing waits for it
+                self._done(peer)
+            raise
+
+    def _done(self, peer: int) -> None:
+        """Under the pending lock."""
+        self._pending.pop(peer, None)
+        self._sent.notify_all()
 
     def drain(self, timeout_s: float) -> None:
-        """Wait up to ``timeout_s`` for what ``send_later`` took to go out (or fail)."""
+        """Wait up to ``timeout_s`` for what ``pass_on`` left to a thread to go out (or
+        fail)."""
         with self._sent:
             self._sent.wait_for(lambda: not self._pending, timeout_s)
 
     def close(self) -> None:
-        self._closed = True
-        for sock in list(self._out.values()):
+        with self._out_lock:
+            self._closed = True
+            socks = list(self._out.values())
+            self._out.clear()
+        for sock in socks:
             sock.close()
-        self._out.clear()
 
 
 def _split(address: str) -> tuple[str, int]:

@@ -28,6 +28,8 @@ DRAIN_S = 5.0
 class MpiSideChannel(SideChannel):
     """The side channel on a duplicate of ``MPI_COMM_WORLD``."""
 
+    sends_after_failure = False
+
     def __init__(self, env: JobEnv, world):
         from mpi4py import MPI
 

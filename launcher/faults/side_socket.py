@@ -134,19 +134,11 @@ class SocketSideChannel(SideChannel):
     def _pass_on(self, item: tuple) -> int:
         """Send a broadcast on to this rank's children in both trees: at once where a
         connection is open, and on a thread of its own to each child that must be connected
-        to first (``Links.send_later``); how many took it or may still take it."""
-        origin, data, taken = item[0], self._encode(item), 0
-        for peer in forwards(self.rank, origin, self.world_size):
-            if peer == origin or self._links.gone(peer):
-                continue
-            if not self._links.connected(peer):
-                self._links.send_later(peer, data)
-                taken += 1
-                continue
-            with contextlib.suppress(ChannelGone):  # the other tree carries it there
-                self._links.send(peer, data)
-                taken += 1
-        return taken
+        to first (``Links.pass_on``); how many took it or may still take it. A child out of
+        reach is left to the other tree."""
+        origin, data = item[0], self._encode(item)
+        return sum(self._links.pass_on(peer, data)
+                   for peer in forwards(self.rank, origin, self.world_size) if peer != origin)
 
     def drain(self, timeout_s: float) -> None:
         self._links.drain(timeout_s)
