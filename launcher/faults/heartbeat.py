@@ -101,6 +101,7 @@ class Heartbeat:
         #: when this rank last told the ranks it reports (a new one is told at once)
         self._renewed_at = -math.inf
         self._stop = threading.Event()
+        self._left = False
         #: the tells waiting to go out, in order; None: no more
         self._tells: queue.SimpleQueue[tuple[str, list[int]] | None] = queue.SimpleQueue()
         beats.on(SILENT_KIND, self._hear_silent)
@@ -230,8 +231,9 @@ class Heartbeat:
         """This rank leaves the job (``failed``: after a failure): no more beats; every rank
         told the ranks it found silent, for good (nobody renews the tell now), and its
         watchers that it left, so that no survivor names it as silent, a lost node."""
-        if self._stop.is_set():
-            return  # left already
+        if self._left:
+            return
+        self._left = True
         self._stop.set()
         self._thread.join(timeout=LAST_WORD_S)  # its last finds are in _reported, or told
         if self._reported and (self._beats.sends_after_failure or not failed):
