@@ -143,9 +143,7 @@ class Watchdog:
                 except PeerFailed as exc:
                     _tell_torchrun(exc)
             self._acknowledge(notice)  # after the line: the failing rank ends next
-            follow_at = time.monotonic() + FOLLOW_S
-            self.channel.drain(FOLLOW_S)  # the notice passed on to children connected to late
-            time.sleep(max(0.0, follow_at - time.monotonic()))
+            self.channel.linger(FOLLOW_S)  # the notice passed on to children connected late
             os._exit(notice.status)
 
     def fail(self, exc: BaseException) -> int:

@@ -211,6 +211,13 @@ class SideChannel:
         which would drop what a transport still holds (the TCP one connects to a child on a
         thread of its own)."""
 
+    def linger(self, seconds: float) -> None:
+        """Stay ``seconds`` (another rank is to end first), what this rank sent going out
+        meanwhile (``drain``)."""
+        until = time.monotonic() + seconds
+        self.drain(seconds)
+        time.sleep(max(0.0, until - time.monotonic()))
+
     def post(self, name: str, value: bytes) -> None:
         self._posts.own[name] = value
 
