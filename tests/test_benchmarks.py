@@ -55,6 +55,9 @@ def test_allreduce_benchmark_writes_every_table(tmp_path):
                 row["mpi_cxx_best_us"] - row["raw_best_us"])
             assert row["front_end_goal_met_best"] == (
                 row["mpi_cxx_minus_raw_best_us"] <= row["front_end_best_us"] + 1.0)
+            assert row["raw_nonblocking_best_us"] > 0
+            assert row["nonblocking_minus_raw_best_us"] == pytest.approx(
+                row["raw_nonblocking_best_us"] - row["raw_best_us"])
     for stats in busy.values():
         assert 0 < stats["best"] <= stats["median"] <= stats["p90"]
     assert "between rounds of compute" in result.stdout
