@@ -12,9 +12,8 @@ say where they are over the side channel (``launcher.faults.side_channel``) and 
   not the answer). A rank that left the job told rank 0 where, on its way out (``ended``); one
   that cannot answer within ``ANSWER_S`` is named as such.
 - Rank 0 decides (``launcher.faults.hang_decide``, from ``launcher.faults.hang_diagnosis``'s
-  reading of the answers). A line: it writes ``diagnosis.txt`` (with
-  the id of the look, which the rank files it was decided from carry) and sends it to every
-  rank; each prints it and ends with ``EXIT_HUNG`` (never 3: no node is lost). No line (every
+  reading of the answers). A line: it writes ``diagnosis.txt`` (with the id of the look,
+  which the rank files it was decided from carry) and sends it to every rank; each prints it and ends with ``EXIT_HUNG`` (never 3: no node is lost). No line (every
   rank waits in the same call: a long checkpoint write, an evaluation): the wait goes on,
   looked at again after each further timeout, up to ``heartbeat.BUSY_LIMIT`` times it. A
   rank that fell silent is left to the heartbeats (``PeerLost``, exit 3).
