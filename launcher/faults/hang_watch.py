@@ -13,10 +13,11 @@ say where they are over the side channel (``launcher.faults.side_channel``) and 
   that cannot answer within ``ANSWER_S`` is named as such.
 - Rank 0 decides (``launcher.faults.hang_decide``, from ``launcher.faults.hang_diagnosis``'s
   reading of the answers). A line: it writes ``diagnosis.txt`` (with the id of the look,
-  which the rank files it was decided from carry) and sends it to every rank; each prints it and ends with ``EXIT_HUNG`` (never 3: no node is lost). No line (every
-  rank waits in the same call: a long checkpoint write, an evaluation): the wait goes on,
-  looked at again after each further timeout, up to ``heartbeat.BUSY_LIMIT`` times it. A
-  rank that fell silent is left to the heartbeats (``PeerLost``, exit 3).
+  which the rank files it was decided from carry) and sends it to every rank; each prints it
+  and ends with ``EXIT_HUNG`` (never 3: no node is lost). No line (every rank waits in the
+  same call: a long checkpoint write, an evaluation): the wait goes on, looked at again after
+  each further timeout, up to ``heartbeat.BUSY_LIMIT`` times it. A rank that fell silent is
+  left to the heartbeats (``PeerLost``, exit 3).
 
 The hang directory: ``RUN_DIR/hang`` with a run directory (``launcher.distributed(status_dir=)``,
 ``launcher.train --run-dir``), else a directory under the temporary directory, on each rank's
