@@ -77,8 +77,12 @@ class OpQueue {
       if (stop_) return;
       Op op = std::move(queue_.front());
       queue_.pop_front();
-      if (failure_) {
-        op.future->setError(failure_);
+      if (failure_) {  // failed unstarted, its callbacks run without the lock, as run's do
+        const std::exception_ptr error = failure_;
+        lock.unlock();
+        op.future->setError(error);
+        lock.lock();
+        if (queue_.empty() && !busy_) idle_.notify_all();  // stop() may wait for the last
         continue;
       }
       runBusy(op, lock);
