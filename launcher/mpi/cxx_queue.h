@@ -82,7 +82,7 @@ class OpQueue {
         lock.unlock();
         op.future->setError(error);
         lock.lock();
-        if (queue_.empty() && !busy_) idle_.notify_all();  // stop() may wait for the last
+        handOn();
         continue;
       }
       runBusy(op, lock);
@@ -104,12 +104,19 @@ class OpQueue {
     lock.lock();
     busy_ = false;
     if (error) failure_ = error;
+    handOn();
+    return error;
+  }
+
+  // After an op, with the lock held: stop() is told when none is left to run, the progress
+  // thread when one waits for it.
+  void handOn() {
+    if (busy_) return;
     if (queue_.empty()) {
       idle_.notify_all();
     } else {
       work_.notify_one();
     }
-    return error;
   }
 
   const std::string where_;
