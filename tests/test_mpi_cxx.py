@@ -195,7 +195,7 @@ def test_training_ends_with_the_same_hash_on_both_implementations(tmp_path):
 #: a rank's compiled group: its progress thread's sleeps while the caller's thread runs 400
 #: synchronous all_reduces, then while one asynchronous all_reduce is handed to it
 _WAKE_UPS = """
-import os, sys, torch, torch.distributed as dist, launcher
+import os, sys, time, torch, torch.distributed as dist, launcher
 from launcher.mpi import cxx
 
 def switches(tid):
@@ -213,7 +213,13 @@ with launcher.distributed(backend="mpi"):
         dist.all_reduce(t, group=group)
     synchronous = [switches(tid) for tid in threads]
     dist.all_reduce(t, group=group, async_op=True).wait()
-    handed = [switches(tid) for tid in threads]
+    # a switch is counted when the thread sleeps again, which may come after wait() returns
+    deadline = time.monotonic() + 5
+    while True:
+        handed = [switches(tid) for tid in threads]
+        if handed != synchronous or time.monotonic() > deadline:
+            break
+        time.sleep(0.01)
     line = (f"wake-ups {len(threads)} {max(b - a for a, b in zip(start, synchronous))} "
             f"{max(b - a for a, b in zip(synchronous, handed))}")
     sys.stdout.write(line + "\\n")  # one write: the two ranks' lines are not interleaved
