@@ -88,7 +88,7 @@ def _as_on_a_gpu(finished: list[bool]) -> fr.Ring:
     with a kernel that has finished or not (CUDA events here, and here there is no GPU)."""
     for _ in finished:
         dist.all_reduce(torch.ones(1))
-    ring = fr._ring(None)
+    ring = fr.ring_of(None)
     ring.gpu = True
     for raw, done in zip(ring.entries, finished, strict=True):
         raw[record_entry.DONE] = lambda done=done: done
@@ -157,6 +157,19 @@ def test_only_a_backward_that_syncs_is_recorded(recorded_ddp):
     assert _steps() == []
     model(torch.ones(4, 3)).sum().backward()
     assert len(_steps()) == 1
+
+
+def test_a_ddp_records_into_the_rings_of_the_recorder_installed_now(recorded_ddp):
+    """Each DDP keeps its ring (one Python call less per backward); a recorder installed again
+    (for a new process group) empties the rings, and the DDP's next backward is in the new
+    one, not in a ring nobody reads."""
+    model = DistributedDataParallel(torch.nn.Linear(3, 2))
+    model(torch.ones(4, 3)).sum().backward()
+    assert [step["seq"] for step in _steps()] == [1]
+    fr.install()
+    assert _steps() == []
+    model(torch.ones(4, 3)).sum().backward()
+    assert [step["seq"] for step in _steps()] == [1]
 
 
 def test_the_entry_ends_when_the_last_bucket_is_reduced(recorded_ddp):

@@ -39,15 +39,19 @@ _originals: dict[str, object] = {}
 _due: dict[int, weakref.ref] = {}
 
 
-class _Gradients:
-    """What the entry records as its tensor: every gradient's bytes, the first one's dtype."""
+class _Recorded:
+    """What a DDP's entries record as their tensor (every gradient's bytes, the first one's
+    dtype) and the ring they go to, found once per DDP and recorder: a backward runs its
+    recording cold (the caches full of the forward's tensors), where each Python call saved
+    counts (benchmarks/README.md, "Flight recorder")."""
 
-    __slots__ = ("nbytes", "dtype")
+    __slots__ = ("nbytes", "dtype", "ring")
 
-    def __init__(self, module: torch.nn.Module):
-        params = [p for p in module.parameters() if p.requires_grad]
+    def __init__(self, ddp: DistributedDataParallel):
+        params = [p for p in ddp.module.parameters() if p.requires_grad]
         self.nbytes = sum(p.numel() * p.element_size() for p in params)
         self.dtype = params[0].dtype if params else None
+        self.ring = flight_recorder.ring_of(ddp.process_group)
 
 
 def install() -> None:
@@ -97,10 +101,9 @@ def _begin(frame) -> list[list]:
         ddp = ref()
         if ddp is None:
             continue
-        gradients = ddp.__dict__.get("_ddp_recorded")
-        if gradients is None:
-            gradients = ddp.__dict__["_ddp_recorded"] = _Gradients(ddp.module)
-        raws.append(flight_recorder.begin(ddp.process_group, "all_reduce", gradients, NOTE,
-                                          frame))
+        recorded = ddp.__dict__.get("_ddp_record")
+        if recorded is None or not recorded.ring.live:
+            recorded = ddp.__dict__["_ddp_record"] = _Recorded(ddp)
+        raws.append(flight_recorder.begin(recorded.ring, "all_reduce", recorded, NOTE, frame))
     _due.clear()
     return raws

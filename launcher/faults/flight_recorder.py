@@ -56,15 +56,17 @@ _CALLS: dict[str, tuple[int | None, int | None]] = {
 
 class Ring:
     """One process group's last calls; ``gpu``: the group's collectives run on the GPU past the
-    call (nccl), so each call keeps a way to ask whether its kernel has finished."""
+    call (nccl), so each call keeps a way to ask whether its kernel has finished; ``live``:
+    False once the recorder forgot it (a caller that keeps a ring, ``ddp_steps``, asks)."""
 
-    __slots__ = ("name", "count", "entries", "gpu")
+    __slots__ = ("name", "count", "entries", "gpu", "live")
 
     def __init__(self, name: str, gpu: bool = False):
         self.name = name
         self.count = 0
         self.entries: deque[list] = deque(maxlen=CAPACITY)
         self.gpu = gpu
+        self.live = True
 
 
 _rings: dict[str | None, Ring] = {}
@@ -82,14 +84,23 @@ def _key(group) -> str | None:
     return str(getattr(group, "group_name", id(group)))
 
 
-def _ring(group) -> Ring:
-    """The ring of ``group`` (None or WORLD: the default group), made on its first call."""
+def ring_of(group) -> Ring:
+    """The ring of ``group`` (None or WORLD: the default group), made on its first call (the
+    lock only then: a dict lookup is atomic)."""
     key = _key(group)
-    with _lock:
-        ring = _rings.get(key)
-        if ring is None:
-            ring = _rings[key] = Ring("world" if key is None else key, _on_nccl(group))
+    ring = _rings.get(key)
+    if ring is None:
+        with _lock:
+            ring = _rings.get(key)
+            if ring is None:
+                ring = _rings[key] = Ring("world" if key is None else key, _on_nccl(group))
     return ring
+
+
+def _forget() -> None:
+    for ring in _rings.values():
+        ring.live = False
+    _rings.clear()
 
 
 def _on_nccl(group) -> bool:
@@ -139,7 +150,7 @@ def _wrap(name: str, original, tensor_at: int | None, group_at: int | None):
     except (TypeError, ValueError):
         parameters = [inspect.Parameter("args", inspect.Parameter.VAR_POSITIONAL),
                       inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD)]
-    namespace = {"rings_get": _rings.get, "ring_of": _ring, "frame_of": sys._getframe,
+    namespace = {"rings_get": _rings.get, "ring_of": ring_of, "frame_of": sys._getframe,
                  "kinds_get": call_site.kinds.get, "caller": call_site.caller,
                  "clock": time.monotonic_ns, "name": name, "original": original,
                  "gpu_done": gpu_done,
@@ -185,13 +196,12 @@ class _NoTensor:
     nbytes = dtype = None
 
 
-def begin(group, name: str, tensor, note: str, frame) -> list:
+def begin(ring: Ring, name: str, tensor, note: str, frame) -> list:
     """Record a call that a caller other than the wrapped functions makes (DDP's gradient
-    all-reduces, ``launcher.faults.ddp_steps``), placed at the first frame outside torch and
-    launcher from ``frame`` (``loss.backward()``'s line, launcher.train's included); ``finish``
-    ends it. What ``_wrap``'s wrapper does inline."""
+    all-reduces, ``launcher.faults.ddp_steps``, which keeps its group's ``ring_of``), placed
+    at the first frame outside torch and launcher from ``frame`` (``loss.backward()``'s line,
+    launcher.train's included); ``finish`` ends it. What ``_wrap``'s wrapper does inline."""
     code, lasti = call_site.caller(frame)
-    ring = _ring(group)
     ring.count += 1
     raw = [ring.count, name, tensor.nbytes, tensor.dtype, code, lasti, time.monotonic_ns(),
            None, "done", note, True if ring.gpu else None]
@@ -216,7 +226,7 @@ def original(name: str):
 def install() -> None:
     """Record every call made through ``torch.distributed`` from now on (idempotent), in
     rings emptied for a new process group."""
-    _rings.clear()
+    _forget()
     for name, (tensor_at, group_at) in _CALLS.items():
         if name in _originals or not hasattr(dist, name):
             continue
@@ -229,7 +239,7 @@ def uninstall() -> None:
     for name, original in _originals.items():
         setattr(dist, name, original)
     _originals.clear()
-    _rings.clear()
+    _forget()
 
 
 _working = 0
