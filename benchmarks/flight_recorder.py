@@ -65,6 +65,14 @@ def per_call(op, calls: int) -> float:
     return best
 
 
+def warm_up(op, calls: int) -> None:
+    """A tenth of a round's calls, untimed: the first calls after an install run new code
+    objects that Python has not specialised yet (the first steps with the recorder just
+    installed took ~0.1 ms more each, which the best batch of a round mostly hid)."""
+    for _ in range(max(1, calls // 10)):
+        op()
+
+
 def _module_at(revision: str, name: str, **names: types.ModuleType) -> types.ModuleType | None:
     """``launcher/faults/NAME.py`` as it was at ``revision``, as a module of its own whose
     imports of ``launcher.faults``' ``names`` get the modules given; None where it did not
@@ -195,6 +203,7 @@ def measure(rounds: int, recorders: dict) -> list[dict]:
                         other.uninstall()
                 if recorder is not None and installs:
                     recorder.install()
+                warm_up(ops[mode], calls)
                 times[mode].append(per_call(ops[mode], calls))
         results[name] = times
     for recorder in recorders.values():
