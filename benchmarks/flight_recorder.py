@@ -22,6 +22,9 @@ identical columns differed by up to 15 µs a step in their best rounds):
   price of any Python communication hook from that of the recording;
 - ``all_reduce 4 KiB, nccl`` where CUDA is: on an nccl group of one, with the event the
   recorder keeps per nccl call.
+
+Beside the times, the Python and C functions one op of each measurement calls in each mode
+(``sys.setprofile``): what the recorder adds, counted exactly where the times are noisy.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import argparse
 import contextlib
 import json
 import os
+import random
 import subprocess
 import sys
 import time
@@ -192,26 +196,56 @@ class Recording:
         ddp_steps.uninstall()
 
 
+def function_calls(op) -> tuple[int, int]:
+    """The Python and the C functions that one ``op`` calls, counted by ``sys.setprofile``: the
+    work the recorder adds, free of the machine's noise (on this VM a step's time moved by
+    more than the recorder costs)."""
+    counts = {"call": 0, "c_call": 0}
+
+    def profile(_frame, event, _arg):
+        if event in counts:
+            counts[event] += 1
+
+    sys.setprofile(profile)
+    try:
+        op()
+    finally:
+        sys.setprofile(None)
+    return counts["call"], counts["c_call"]
+
+
+def _switch(recorders: dict, recorder) -> None:
+    for other in recorders.values():
+        if other is not None:
+            other.uninstall()
+    if recorder is not None:
+        recorder.install()
+
+
 def measure(rounds: int, recorders: dict) -> list[dict]:
-    results = {}
+    shuffle = random.Random(0).shuffle
+    results, calls_made = {}, {}
     for name, (calls, installs, ops) in contenders(recorders).items():
         times = {mode: [] for mode in recorders}
+        order = list(recorders)
         for _ in range(rounds):
-            for mode, recorder in recorders.items():
-                for other in recorders.values():
-                    if other is not None:
-                        other.uninstall()
-                if recorder is not None and installs:
-                    recorder.install()
+            shuffle(order)  # no mode always runs right after the same other one
+            for mode in order:
+                recorder = recorders[mode]
+                _switch(recorders, recorder if installs else None)
                 warm_up(ops[mode], calls)
                 times[mode].append(per_call(ops[mode], calls))
+        calls_made[name] = {}
+        for mode, recorder in recorders.items():
+            _switch(recorders, recorder if installs else None)
+            warm_up(ops[mode], calls)
+            calls_made[name][mode] = function_calls(ops[mode])
         results[name] = times
-    for recorder in recorders.values():
-        if recorder is not None:
-            recorder.uninstall()
+    _switch(recorders, None)
     rows = []
     for name, t in results.items():
-        row = {"measure": name, **{f"{mode}_us": 1e6 * min(t[mode]) for mode in recorders}}
+        row = {"measure": name, **{f"{mode}_us": 1e6 * min(t[mode]) for mode in recorders},
+               **{f"{mode}_calls": calls_made[name][mode] for mode in recorders}}
         for mode in recorders:
             if mode != "without":
                 paired = float(np.median(np.subtract(t[mode], t["without"])))
@@ -244,6 +278,10 @@ def main() -> None:
         print(f"{r['measure']:>20} " + " ".join(f"{r[m + '_us']:>11.2f}" for m in modes) + " "
               + " ".join(f"{r[m + '_overhead_us']:>11.2f} {r[m + '_overhead_pct']:>6.1f}"
                          for m in modes[1:]))
+    print("function calls per op, Python / C:")
+    for r in rows:
+        print(f"{r['measure']:>20} " + "   ".join(f"{m} {r[m + '_calls'][0]} / {r[m + '_calls'][1]}"
+                                               for m in modes))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"rounds": args.rounds, "before": args.before,

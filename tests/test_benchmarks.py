@@ -259,6 +259,9 @@ def test_flight_recorder_benchmark_puts_before_and_with_beside_without(tmp_path)
     # the wrapper around a function that does nothing is all recorder: never free
     assert rows["wrapper"]["with_us"] > rows["wrapper"]["without_us"]
     assert rows["wrapper"]["before_us"] > rows["wrapper"]["without_us"]
+    # counted, not timed: a step with the recorder calls more Python functions, as many as HEAD's
+    assert rows["step"]["with_calls"][0] > rows["step"]["without_calls"][0]
+    assert rows["step"]["with_calls"] == rows["step"]["before_calls"]
     assert "with +us" in result.stdout
 
 
