@@ -222,6 +222,12 @@ def _switch(recorders: dict, recorder) -> None:
         recorder.install()
 
 
+def _ready(recorders: dict, mode: str, installs: bool, op, calls: int) -> None:
+    """``mode``'s recorder alone installed (where the measurement installs one), warmed up."""
+    _switch(recorders, recorders[mode] if installs else None)
+    warm_up(op, calls)
+
+
 def measure(rounds: int, recorders: dict) -> list[dict]:
     shuffle = random.Random(0).shuffle
     results, calls_made = {}, {}
@@ -231,14 +237,11 @@ def measure(rounds: int, recorders: dict) -> list[dict]:
         for _ in range(rounds):
             shuffle(order)  # no mode always runs right after the same other one
             for mode in order:
-                recorder = recorders[mode]
-                _switch(recorders, recorder if installs else None)
-                warm_up(ops[mode], calls)
+                _ready(recorders, mode, installs, ops[mode], calls)
                 times[mode].append(per_call(ops[mode], calls))
         calls_made[name] = {}
-        for mode, recorder in recorders.items():
-            _switch(recorders, recorder if installs else None)
-            warm_up(ops[mode], calls)
+        for mode in recorders:
+            _ready(recorders, mode, installs, ops[mode], calls)
             calls_made[name][mode] = function_calls(ops[mode])
         results[name] = times
     _switch(recorders, None)
