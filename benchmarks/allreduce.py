@@ -23,8 +23,9 @@ where each node has its own NIC, full duplex, and its own cores, it equals the l
 ranks share cores (containers on one VM) it is what the machine can carry for any contender,
 gloo included, and "vs exch" = busbw / exchange says how close each comes to that.
 
-Ping-pong (4 bytes between ranks 0 and 1) is timed as OSU's osu_latency does: round trips back
-to back after a barrier, their mean per round, rounds taken in turns.
+Ping-pong (4 bytes between ranks 0 and 1, ``benchmarks/pingpong.py``) is timed as OSU's
+osu_latency does: round trips back to back after a barrier, their mean per round, rounds taken
+in turns.
 
 A second table times the all_reduce as training meets it: the ranks compute between calls
 (float32 matrix products on one torch thread each, about a CNN step's worth: 20 units on
@@ -59,10 +60,10 @@ import torch
 import torch.distributed as dist
 from mpi4py import MPI
 
-from benchmarks import rank_side
+from benchmarks import allreduce_report, pingpong, rank_side
 from benchmarks.floor import floor
 from benchmarks.timing import COMM, measure
-from benchmarks.units import bus_factor, human
+from benchmarks.units import bus_factor
 from launcher.mpi import backend as mpi_backend
 from launcher.mpi import cxx as mpi_cxx
 from launcher.mpi import segments as mpi_segments
@@ -73,11 +74,6 @@ SIZES = [4 << 10 << (2 * i) for i in range(8)]  # 4 KiB, 16 KiB, ..., 64 MiB
 BUSY_BYTES = 4 * sum(p.numel() for p in cnn().parameters())
 #: one unit of compute between busy calls: a 256 x 256 matrix product, ~0.4 ms on one core
 BUSY_UNIT = 256
-#: the contenders: the backends init_groups made (mpi_cxx only where it is built), then raw
-CONTENDERS: tuple[str, ...] = ()
-#: ping-pong: round trips timed together per round, and rounds at least
-PINGPONG_TRIPS = 2000
-PINGPONG_ROUNDS = 10
 
 
 def parse_args() -> argparse.Namespace:
@@ -121,6 +117,11 @@ def solo_group(groups: dict) -> dist.ProcessGroup | None:
         return None
     mine, _ = dist.new_subgroups(group_size=1, backend=mpi_cxx.BACKEND_NAME)
     return mine
+
+
+def contenders(groups: dict) -> tuple[str, ...]:
+    """The backends init_groups made (mpi_cxx only where it is built), then raw."""
+    return (*groups, "raw")
 
 
 def allreduce_ops(nbytes: int, groups: dict, solo: dist.ProcessGroup | None = None) -> dict:
@@ -171,7 +172,7 @@ def allreduce_table(groups, args, limits: dict[str, float],
         stats = measure(allreduce_ops(nbytes, groups, solo), args)
         row = {"bytes": nbytes,
                "floor_us": bus_factor(COMM.size) * nbytes / link_GBps / 1e3}
-        for name in CONTENDERS:
+        for name in contenders(groups):
             for stat in ("median", "best"):
                 row[f"{name}_{stat}_us"] = stats[name][stat] * 1e6
                 row[f"{name}_{stat}_GBps"] = nbytes / stats[name][stat] / 1e9
@@ -218,127 +219,6 @@ def busy_allreduce(groups, args) -> dict[str, dict[str, float]]:
     return result
 
 
-def pingpong_ops(groups) -> dict:
-    """A 4-byte round trip between ranks 0 and 1 per contender (other ranks idle)."""
-    me = COMM.rank
-    raw = np.zeros(1, dtype=np.float32)
-
-    def over(group):
-        tensor = torch.zeros(1)
-
-        def run():
-            if me == 0:
-                dist.send(tensor, 1, group=group)
-                dist.recv(tensor, 1, group=group)
-            elif me == 1:
-                dist.recv(tensor, 0, group=group)
-                dist.send(tensor, 0, group=group)
-        return run
-
-    def raw_run():
-        if me == 0:
-            COMM.Send(raw, dest=1)
-            COMM.Recv(raw, source=1)
-        elif me == 1:
-            COMM.Recv(raw, source=0)
-            COMM.Send(raw, dest=0)
-
-    def direct(group):  # torch's Python dist.send/recv skipped: what the backend itself costs
-        tensor = torch.zeros(1)
-
-        def run():
-            if me == 0:
-                group.send([tensor], 1, 0).wait()
-                group.recv([tensor], 1, 0).wait()
-            elif me == 1:
-                group.recv([tensor], 0, 0).wait()
-                group.send([tensor], 0, 0).wait()
-        return run
-
-    extra = ({"mpi_cxx_pg": direct(groups[mpi_cxx.BACKEND_NAME])}
-             if mpi_cxx.BACKEND_NAME in groups else {})
-    return {**{name: over(g) for name, g in groups.items()}, **extra, "raw": raw_run}
-
-
-def pingpong(ops: dict, rounds: int, trips: int = PINGPONG_TRIPS) -> dict[str, dict[str, float]]:
-    """Seconds per round trip of each op, as OSU's osu_latency times them: ``trips`` back to
-    back after a barrier, their mean per round; median and best over rounds taken in turns."""
-    times: dict[str, list[float]] = {name: [] for name in ops}
-    for _ in range(rounds):
-        for name, op in ops.items():
-            for _ in range(PINGPONG_TRIPS // 10):  # warm-up
-                op()
-            COMM.Barrier()
-            start = time.perf_counter()
-            for _ in range(trips):
-                op()
-            times[name].append(COMM.bcast((time.perf_counter() - start) / trips, root=0))
-    return {name: {"median": float(np.median(t)), "best": float(np.min(t))}
-            for name, t in times.items()}
-
-
-def print_table(rows: list[dict], latency: dict, busy: dict, limits: dict) -> None:
-    print(f"floor: link {limits['link_GBps']:.2f} GB/s one way (64 MiB ping-pong, ranks 0-1), "
-          f"{limits['exchange_GBps']:.2f} GB/s each while all ranks exchange at once (64 MiB "
-          f"Sendrecv in a ring), memcpy {limits['memcpy_GBps']:.2f} GB/s (one core)")
-    print(f"all_reduce float32, {COMM.size} ranks: median (best) microseconds per call, "
-          f"bus GB/s of the median")
-    cxx = "mpi_cxx" in CONTENDERS
-    header = (f"{'size':>6} | {'floor us':>8} | "
-              + " | ".join(f"{n:>17} {'busbw':>5}" for n in CONTENDERS) + " | "
-              f"{'vs link':>7} | {'vs exch':>7} | {'vs raw':>11} | {'vs gloo':>13}"
-              + (f" | {'cxx vs raw':>11} | {'cxx vs py':>11}" if cxx else ""))
-    print(header)
-    print("-" * len(header))
-    for r in rows:
-        cells = [f"{r[f'{n}_median_us']:>8.1f} ({r[f'{n}_best_us']:>6.1f}) "
-                 f"{r[f'{n}_median_busGBps']:>5.2f}" for n in CONTENDERS]
-        print(f"{human(r['bytes']):>6} | {r['floor_us']:>8.1f} | " + " | ".join(cells)
-              + f" | {r['mpi4py_vs_link_median']:>7.2f}"
-              + f" | {r['mpi4py_vs_exchange_median']:>7.2f}"
-              + f" | {r['vs_raw_median']:>4.2f} ({r['vs_raw_best']:>4.2f})"
-              + f" | {r['vs_gloo_median']:>5.1f}x ({r['vs_gloo_best']:>4.1f}x)"
-              + (f" | {r['mpi_cxx_vs_raw_median']:>4.2f} ({r['mpi_cxx_vs_raw_best']:>4.2f})"
-                 f" | {r['mpi_cxx_vs_mpi4py_median']:>4.2f} ({r['mpi_cxx_vs_mpi4py_best']:>4.2f})"
-                 if cxx else ""))
-    print("vs link = mpi4py busbw / link (1.0 = at the floor); vs exch = mpi4py busbw / the "
-          "exchange's bandwidth; vs raw = raw time / mpi4py time "
-          "(1.0 = as fast as raw mpi4py); vs gloo = gloo time / mpi4py time (> 1 = faster); "
-          "cxx vs raw, cxx vs py: the same for mpi_cxx against raw and against mpi4py")
-    if rows and "front_end_median_us" in rows[0]:
-        print_front_end(rows)
-    print(f"\nping-pong, 4 bytes, half round trip ({PINGPONG_TRIPS} back to back per round), "
-          "median (best) us: "
-          + ", ".join(f"{n} {latency[n]['median'] / 2 * 1e6:.2f} "
-                      f"({latency[n]['best'] / 2 * 1e6:.2f})" for n in latency)
-          + " (mpi_cxx_pg: its ProcessGroup's send/recv called directly, without torch's "
-          "Python dist.send/recv)")
-    if "mpi_cxx" in latency:
-        print("mpi_cxx / raw: " + " ".join(
-            f"{latency['mpi_cxx'][k] / latency['raw'][k]:.2f} ({k})" for k in ("median", "best"))
-              + "; goal <= 2")
-    print(f"\nall_reduce of {human(BUSY_BYTES)} between rounds of compute, from the last rank's "
-          "arrival, us: mean, median, p90, best")
-    for n in CONTENDERS:
-        print(f"{n:>10}: " + " ".join(f"{busy[n][k] * 1e6:8.1f}"
-                                      for k in ("mean", "median", "p90", "best")))
-
-
-def print_front_end(rows: list[dict]) -> None:
-    print("\nthe compiled backend against raw mpi4py and torch's front end (dist.all_reduce on "
-          "a group of one), median (best) us; goal: mpi_cxx - raw <= front end + 1; MPI's "
-          "part: its non-blocking all_reduce (MPI_Test to its end) - raw")
-    for r in rows:
-        met = {stat: "met" if r[f"front_end_goal_met_{stat}"] else "not met"
-               for stat in ("median", "best")}
-        print(f"{human(r['bytes']):>6} | mpi_cxx - raw {r['mpi_cxx_minus_raw_median_us']:>8.1f} "
-              f"({r['mpi_cxx_minus_raw_best_us']:>7.1f}) | front end "
-              f"{r['front_end_median_us']:>6.1f} ({r['front_end_best_us']:>5.1f}) | "
-              f"{met['median']} ({met['best']}) | MPI's part "
-              f"{r['nonblocking_minus_raw_median_us']:>7.1f} "
-              f"({r['nonblocking_minus_raw_best_us']:>6.1f})")
-
-
 def _plot_if_possible(path: Path) -> None:
     """The PNG beside the JSON where matplotlib is installed (the dev venv; not the image, where
     benchmarks/cluster.py draws it on the host instead)."""
@@ -352,19 +232,20 @@ def _plot_if_possible(path: Path) -> None:
 
 
 def main() -> None:
-    global CONTENDERS
     args = parse_args()
     rank_side.end_job_on_error()
     groups = init_groups()
-    CONTENDERS = (*groups, "raw")
     solo = solo_group(groups)
     limits = floor(args)
     rows = allreduce_table(groups, args, limits, solo)
-    latency = pingpong(pingpong_ops(groups), max(args.rounds, PINGPONG_ROUNDS))
+    latency = pingpong.pingpong(pingpong.pingpong_ops(groups),
+                                max(args.rounds, pingpong.PINGPONG_ROUNDS))
     busy = busy_allreduce(groups, args)
     hosts = COMM.gather(socket.gethostname())
     if COMM.rank == 0:
-        print_table(rows, latency, busy, limits)
+        allreduce_report.print_table(rows, contenders(groups), limits)
+        pingpong.print_latency(latency)
+        allreduce_report.print_busy(busy, contenders(groups), BUSY_BYTES)
         if args.json:
             args.json.write_text(json.dumps({
                 "command": " ".join(sys.argv),
@@ -381,7 +262,7 @@ def main() -> None:
                     for n in latency},
                 "busy_allreduce_bytes": BUSY_BYTES,
                 "busy_allreduce_after_last_arrival_us": {
-                    n: {k: v * 1e6 for k, v in busy[n].items()} for n in CONTENDERS},
+                    n: {k: v * 1e6 for k, v in busy[n].items()} for n in contenders(groups)},
             }, indent=2) + "\n")
             _plot_if_possible(args.json)
     dist.destroy_process_group()
