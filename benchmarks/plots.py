@@ -5,7 +5,8 @@
 Each JSON gets a PNG of the same name beside it: an all_reduce result (benchmarks/allreduce.py,
 also run across nodes by benchmarks/cluster.py) as bus bandwidth against message size with the
 link's floor; a weak-scaling result (benchmarks/train_scaling.py, cluster.py) as bars; a
-binding result (benchmarks/binding.py) as bars per rank count.
+binding result (benchmarks/binding.py) as bars per rank count; the recorder's share of a step
+(benchmarks/recorder_instructions.py) as bars against issue 36's 2 %.
 """
 
 from __future__ import annotations
@@ -26,6 +27,15 @@ def _pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def _saved(plt, figure, path: Path) -> Path:
+    """The figure as the PNG beside ``path``, its memory let go."""
+    figure.tight_layout()
+    out = path.with_suffix(".png")
+    figure.savefig(out, dpi=110)
+    plt.close(figure)
+    return out
 
 
 def allreduce(result: dict, path: Path) -> Path:
@@ -59,11 +69,7 @@ def allreduce(result: dict, path: Path) -> Path:
                    f"node{'s' if nodes > 1 else ''}")
     axes.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1))
     axes.grid(alpha=0.3)
-    figure.tight_layout()
-    out = path.with_suffix(".png")
-    figure.savefig(out, dpi=110)
-    plt.close(figure)
-    return out
+    return _saved(plt, figure, path)
 
 
 def scaling(rows: list[dict], title: str, path: Path) -> Path:
@@ -83,11 +89,7 @@ def scaling(rows: list[dict], title: str, path: Path) -> Path:
     axes.set_title(title)
     if goals:
         axes.legend(fontsize="small")
-    figure.tight_layout()
-    out = path.with_suffix(".png")
-    figure.savefig(out, dpi=110)
-    plt.close(figure)
-    return out
+    return _saved(plt, figure, path)
 
 
 def binding(result: dict, path: Path) -> Path:
@@ -112,11 +114,29 @@ def binding(result: dict, path: Path) -> Path:
     axes.set_title(f"CPU training with and without binding, CPUs {result['host']['cpus']}",
                    fontsize="medium")
     axes.legend(fontsize="small", loc="lower right")
-    figure.tight_layout()
-    out = path.with_suffix(".png")
-    figure.savefig(out, dpi=110)
-    plt.close(figure)
-    return out
+    return _saved(plt, figure, path)
+
+
+def recorder(result: dict, path: Path) -> Path:
+    """What the flight recorder adds to each step measure, in instructions and (where
+    simulated) cycles, beside the A/A difference of two runs without it and the 2 % goal."""
+    plt = _pyplot()
+    # the steps, where the goal is a share; every measure where only others were run
+    rows = [row for row in result["results"] if row["measure"].startswith("step")] or \
+        result["results"]
+    units = [unit for unit in ("instructions", "cycles") if unit in rows[0]]
+    figure, axes = plt.subplots(figsize=(7, 3.2))
+    width = 0.8 / (2 * len(units))
+    for i, (unit, key) in enumerate((u, k) for u in units for k in ("added_pct", "a_a_pct")):
+        bars = axes.barh([r + (i - (2 * len(units) - 1) / 2) * width for r in range(len(rows))],
+                         [row[unit][key] for row in rows], width,
+                         label=f"{unit}: {'with the recorder' if key == 'added_pct' else 'A/A'}")
+        axes.bar_label(bars, fmt="%.2f %%", fontsize="small")
+    axes.axvline(2.0, color="tab:red", linestyle="--", label="goal: 2 %")
+    axes.set_yticks(range(len(rows)), [row["measure"] for row in rows])
+    axes.set_xlabel("% of the step without the recorder (callgrind)")
+    axes.legend(fontsize="small", loc="lower right")
+    return _saved(plt, figure, path)
 
 
 def main(paths: list[str]) -> int:
@@ -127,6 +147,8 @@ def main(paths: list[str]) -> int:
             print(f"wrote {allreduce(result, path)}")
         elif "rows" in result and "host" in result:
             print(f"wrote {binding(result, path)}")
+        elif "cache_sim" in result:
+            print(f"wrote {recorder(result, path)}")
         else:
             print(f"{path}: not an all_reduce result; scaling plots are written by their "
                   "benchmark", file=sys.stderr)

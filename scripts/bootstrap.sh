@@ -26,6 +26,8 @@ SYSTEM_PACKAGES=(
     # the SIF's system partition for ch-run
     siftool squashfs-tools squashfuse
     shellcheck openssh-client
+    # benchmarks.recorder_instructions counts instructions under callgrind
+    valgrind
 )
 
 die() {

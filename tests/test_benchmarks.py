@@ -8,16 +8,18 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
 import pytest
 
 from benchmarks import cluster as cluster_benchmark
-from benchmarks import imb, train_scaling, tuning
+from benchmarks import imb, recorder_instructions, train_scaling, tuning
 from launcher.mpi import cxx as mpi_cxx
 from tests.fixtures.left_behind import hydra_held, hydra_held_code
 from tests.fixtures.mpi import REPO_ROOT, clean_environ, run_mpi
+from tests.fixtures.requirements import missing
 
 pytestmark = pytest.mark.mpi
 
@@ -263,6 +265,54 @@ def test_flight_recorder_benchmark_puts_before_and_with_beside_without(tmp_path)
     assert rows["step"]["with_calls"][0] > rows["step"]["without_calls"][0]
     assert rows["step"]["with_calls"] == rows["step"]["before_calls"]
     assert "with +us" in result.stdout
+
+
+def test_recorder_instructions_counts_the_measured_calls_alone(tmp_path):
+    """The wrapper alone, under callgrind for real: the dump read is the calls' own (a Python
+    call of a function that does nothing: hundreds of instructions, not the import's
+    billions), and the recorder adds to it."""
+    if shutil.which("valgrind") is None:
+        missing("valgrind is not installed (Debian: apt-get install valgrind)")
+    out = tmp_path / "instructions.json"
+    result = subprocess.run([sys.executable, "-m", "benchmarks.recorder_instructions", "--only",
+                             "wrapper", "--steps", "1", "--rounds", "1", "--json", str(out)],
+                            capture_output=True, text=True, timeout=600, env=clean_environ(),
+                            cwd=REPO_ROOT)
+    assert result.returncode == 0, result.stderr
+    [row] = json.loads(out.read_text())["results"]
+    counted = row["instructions"]
+    assert row["measure"] == "wrapper" and row["calls"] == 200 and "cycles" not in row
+    assert 100 < counted["without"] < 20_000, counted
+    assert counted["with"] > counted["without"] + 1_000, counted
+    assert "A/A %" in result.stdout
+
+
+def test_recorder_instructions_reads_callgrind_dumps_and_estimates_cycles(tmp_path):
+    """Per op, the median over rounds; the cycle estimate KCachegrind's (Ir + 10 Bm + 10 L1m +
+    100 LLm) where the caches were simulated."""
+    events = "Ir Dr Dw I1mr D1mr D1mw ILmr DLmr DLmw Bc Bcm Bi Bim"
+    dumps = {}
+    for name, ir in (("w1", 1000), ("w2", 3000), ("r1", 1500), ("r2", 4500), ("a1", 1000),
+                     ("a2", 3000)):
+        dumps[name] = tmp_path / name
+        dumps[name].write_text(f"version: 1\nevents: {events}\nfn=x\n0 {ir}\n"
+                               f"summary: {ir} 0 0 1 1 1 1 0 0 0 1 0 1\n")
+    counts = recorder_instructions.totals(dumps["w1"])
+    assert counts["Ir"] == 1000 and counts["Bim"] == 1
+    assert recorder_instructions.cycles(counts) == 1000 + 10 * 2 + 10 * 3 + 100 * 1
+    assert recorder_instructions.cycles({"Ir": 5}) is None
+    runs = {"step": {"calls": 10, "without": [str(dumps["w1"]), str(dumps["w2"])],
+                     "with": [str(dumps["r1"]), str(dumps["r2"])],
+                     "without, again": [str(dumps["a1"]), str(dumps["a2"])]}}
+    [row] = recorder_instructions.rows(runs)
+    assert row["instructions"] == {
+        "without": 200.0, "with": 300.0, "added": 100.0, "added_pct": 50.0, "a_a_pct": 0.0,
+        "rounds": {"without": [100.0, 300.0], "with": [150.0, 450.0],
+                   "without, again": [100.0, 300.0]}}
+    assert row["cycles"]["without"] == 200.0 + 15.0
+    # outside callgrind no dump appears: one error line and its hint, not a table of nothing
+    with pytest.raises(SystemExit, match=r"(?s)^error: callgrind wrote 0 dumps.*\nHINT: "):
+        recorder_instructions.run_counted(lambda: None, 3, tmp_path)
 
 
 def test_checkpoint_benchmark_saves_and_loads_each_model(tmp_path):
