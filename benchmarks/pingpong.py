@@ -6,6 +6,7 @@ taken in turns). Issue 37's goal: the compiled backend within 2x raw."""
 
 from __future__ import annotations
 
+import random
 import time
 
 import numpy as np
@@ -64,10 +65,14 @@ def pingpong_ops(groups) -> dict:
 
 def pingpong(ops: dict, rounds: int, trips: int = PINGPONG_TRIPS) -> dict[str, dict[str, float]]:
     """Seconds per round trip of each op, as OSU's osu_latency times them: ``trips`` back to
-    back after a barrier, their mean per round; median and best over rounds taken in turns."""
+    back after a barrier, their mean per round; median and best over rounds taken in turns, in
+    a new order each round."""
     times: dict[str, list[float]] = {name: [] for name in ops}
-    for _ in range(rounds):
-        for name, op in ops.items():
+    for round_ in range(rounds):
+        order = list(ops)
+        random.Random(round_).shuffle(order)  # as timing.measure: the same order on each rank
+        for name in order:
+            op = ops[name]
             for _ in range(PINGPONG_TRIPS // 10):  # warm-up
                 op()
             COMM.Barrier()
