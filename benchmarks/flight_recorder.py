@@ -214,7 +214,8 @@ def function_calls(op) -> tuple[int, int]:
     return counts["call"], counts["c_call"]
 
 
-def _switch(recorders: dict, recorder) -> None:
+def switch_to(recorders: dict, recorder) -> None:
+    """``recorder`` alone installed (None: none)."""
     for other in recorders.values():
         if other is not None:
             other.uninstall()
@@ -222,9 +223,9 @@ def _switch(recorders: dict, recorder) -> None:
         recorder.install()
 
 
-def _ready(recorders: dict, mode: str, installs: bool, op, calls: int) -> None:
+def ready(recorders: dict, mode: str, installs: bool, op, calls: int) -> None:
     """``mode``'s recorder alone installed (where the measurement installs one), warmed up."""
-    _switch(recorders, recorders[mode] if installs else None)
+    switch_to(recorders, recorders[mode] if installs else None)
     warm_up(op, calls)
 
 
@@ -237,14 +238,14 @@ def measure(rounds: int, recorders: dict) -> list[dict]:
         for _ in range(rounds):
             shuffle(order)  # no mode always runs right after the same other one
             for mode in order:
-                _ready(recorders, mode, installs, ops[mode], calls)
+                ready(recorders, mode, installs, ops[mode], calls)
                 times[mode].append(per_call(ops[mode], calls))
         calls_made[name] = {}
         for mode in recorders:
-            _ready(recorders, mode, installs, ops[mode], calls)
+            ready(recorders, mode, installs, ops[mode], calls)
             calls_made[name][mode] = function_calls(ops[mode])
         results[name] = times
-    _switch(recorders, None)
+    switch_to(recorders, None)
     rows = []
     for name, t in results.items():
         row = {"measure": name, **{f"{mode}_us": 1e6 * min(t[mode]) for mode in recorders},

@@ -73,8 +73,12 @@ def cycles(counts: dict[str, int]) -> int | None:
 
 def instrument_from_here() -> None:
     """callgrind counts from now on (callgrind_control answers once it has)."""
-    subprocess.run(["callgrind_control", "--instr=on", str(os.getpid())], check=True,
-                   capture_output=True)
+    asked = subprocess.run(["callgrind_control", "--instr=on", str(os.getpid())],
+                           capture_output=True, text=True)
+    said = (asked.stdout + asked.stderr).strip().splitlines() or ["no answer"]
+    if asked.returncode or said[0].startswith("Error"):  # it exits 0 when no callgrind answers
+        sys.exit(f"error: callgrind_control could not turn counting on: {said[0]}\n"
+                 "HINT: run this module without --inside: it starts callgrind itself")
 
 
 def run_counted(op, calls: int, out: Path) -> Path:
@@ -92,6 +96,7 @@ def run_counted(op, calls: int, out: Path) -> Path:
 def inside(out: Path, steps: int, rounds: int, only: list[str]) -> None:
     """The measurements, run under callgrind: out/runs.json maps measure -> mode -> the dump of
     each round."""
+    # here, not at the top: the parent only starts callgrind and reads its dumps, without torch
     import torch
     import torch.distributed as dist
 
@@ -112,9 +117,9 @@ def inside(out: Path, steps: int, rounds: int, only: list[str]) -> None:
             runs[name] = {"calls": calls, **{mode: [] for mode in MODES}}
             for _ in range(rounds):
                 for mode, recorder in MODES.items():
-                    timed._ready(recorders, recorder, installs, ops[recorder], calls)
+                    timed.ready(recorders, recorder, installs, ops[recorder], calls)
                     runs[name][mode].append(str(run_counted(ops[recorder], calls, out)))
-        timed._switch(recorders, None)
+        timed.switch_to(recorders, None)
     finally:
         dist.destroy_process_group()
     (out / "runs.json").write_text(json.dumps(runs))
