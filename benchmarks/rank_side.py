@@ -12,7 +12,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 #: what the rank-side jobs import or run
-SCRIPTS = ("__init__.py", "allreduce.py", "floor.py", "timing.py", "tuning.py", "units.py",
+SCRIPTS = ("__init__.py", "allreduce.py", "allreduce_report.py", "pingpong.py", "floor.py",
+           "timing.py", "tuning.py", "units.py",
            "rank_side.py")
 #: the volume every node shares, and the package's copy on it
 SHARED_ROOT = "/shared"
