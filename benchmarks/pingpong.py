@@ -6,14 +6,13 @@ taken in turns). Issue 37's goal: the compiled backend within 2x raw."""
 
 from __future__ import annotations
 
-import random
 import time
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from benchmarks.timing import COMM
+from benchmarks.timing import COMM, round_order
 from launcher.mpi import cxx as mpi_cxx
 
 #: round trips timed together per round, and rounds at least
@@ -69,9 +68,7 @@ def pingpong(ops: dict, rounds: int, trips: int = PINGPONG_TRIPS) -> dict[str, d
     a new order each round."""
     times: dict[str, list[float]] = {name: [] for name in ops}
     for round_ in range(rounds):
-        order = list(ops)
-        random.Random(round_).shuffle(order)  # as timing.measure: the same order on each rank
-        for name in order:
+        for name in round_order(ops, round_):
             op = ops[name]
             for _ in range(PINGPONG_TRIPS // 10):  # warm-up
                 op()

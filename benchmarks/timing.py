@@ -25,10 +25,17 @@ def sample(op, calls: int) -> np.ndarray:
     return times
 
 
+def round_order(ops: dict, round_: int) -> list[str]:
+    """The ops' names in round ``round_``'s order: shuffled, the same on every rank (one seed
+    per round), so that no op always runs right after the same other one."""
+    order = list(ops)
+    random.Random(round_).shuffle(order)
+    return order
+
+
 def measure(ops: dict, args) -> dict[str, dict[str, float]]:
     """Median and best seconds per call of each op, over interleaved rounds, the ops in a new
-    order each round (the same on every rank: one seed per round), so that none always runs
-    right after the same other one."""
+    order each round (``round_order``)."""
     calls = {}
     for name, op in ops.items():
         op()  # warm-up: connections, first touch of buffers
@@ -36,9 +43,7 @@ def measure(ops: dict, args) -> dict[str, dict[str, float]]:
         calls[name] = max(2, min(args.max_calls, int(args.seconds / estimate)) // args.rounds)
     times = {name: [] for name in ops}
     for round_ in range(args.rounds):
-        order = list(ops)
-        random.Random(round_).shuffle(order)
-        for name in order:
+        for name in round_order(ops, round_):
             times[name].append(sample(ops[name], calls[name]))
     return {name: {"median": float(np.median(np.concatenate(t))),
                    "best": float(np.min(np.concatenate(t))),
