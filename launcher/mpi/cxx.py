@@ -42,7 +42,8 @@ else:  # run as a file of its own (the image's build stage): the files beside it
 BACKEND_NAME = "mpi_cxx"
 #: the C++: cxx.cpp and the parts it includes (docker/Dockerfile copies each by name)
 SOURCES = tuple(Path(__file__).with_name(name)
-                for name in ("cxx.cpp", "cxx_types.h", "cxx_work.h", "cxx_queue.h"))
+                for name in ("cxx.cpp", "cxx_types.h", "cxx_work.h", "cxx_queue.h", "cxx_build.h",
+                             "cxx_backend.h"))
 _PREFIX = "ddp_mpi_cxx_"
 #: what ``DDP_MPI_IMPL`` may say
 IMPL_CHOICES = ("auto", "cxx", "python")
