@@ -196,13 +196,20 @@ def allreduce_table(groups, args, limits: dict[str, float],
     return rows
 
 
-def busy_allreduce(groups, args) -> dict[str, dict[str, float]]:
-    """Latency after the last rank's arrival of an all_reduce between rounds of compute."""
+def busy_allreduce(groups, args, solo=None) -> dict[str, dict[str, float]]:
+    """Latency after the last rank's arrival of an all_reduce between rounds of compute; with
+    ``solo`` also what each layer costs alone with the caches cold from the compute:
+    ``front_end`` (dist.all_reduce on a group of one: torch and the compiled backend) and
+    ``raw_self`` (MPI's all_reduce on one rank)."""
     torch.set_num_threads(1)  # one core per rank, as benchmarks/train_scaling.py runs them
     a = torch.randn(BUSY_UNIT, BUSY_UNIT)
     units = 20 + 4 * COMM.rank
+    ops = allreduce_ops(BUSY_BYTES, groups, solo)
+    if solo is not None:
+        alone = np.zeros(BUSY_BYTES // 4, np.float32)
+        ops["raw_self"] = lambda: MPI.COMM_SELF.Allreduce(MPI.IN_PLACE, alone, op=MPI.SUM)
     result = {}
-    for name, op in allreduce_ops(BUSY_BYTES, groups).items():
+    for name, op in ops.items():
         times = np.empty(args.busy_calls)
         COMM.Barrier()
         for i in range(args.busy_calls):
@@ -240,12 +247,12 @@ def main() -> None:
     rows = allreduce_table(groups, args, limits, solo)
     latency = pingpong.pingpong(pingpong.pingpong_ops(groups),
                                 max(args.rounds, pingpong.PINGPONG_ROUNDS))
-    busy = busy_allreduce(groups, args)
+    busy = busy_allreduce(groups, args, solo)
     hosts = COMM.gather(socket.gethostname())
     if COMM.rank == 0:
         allreduce_report.print_table(rows, contenders(groups), limits)
         pingpong.print_latency(latency)
-        allreduce_report.print_busy(busy, contenders(groups), BUSY_BYTES)
+        allreduce_report.print_busy(busy, BUSY_BYTES)
         if args.json:
             args.json.write_text(json.dumps({
                 "command": " ".join(sys.argv),
@@ -262,7 +269,7 @@ def main() -> None:
                     for n in latency},
                 "busy_allreduce_bytes": BUSY_BYTES,
                 "busy_allreduce_after_last_arrival_us": {
-                    n: {k: v * 1e6 for k, v in busy[n].items()} for n in contenders(groups)},
+                    n: {k: v * 1e6 for k, v in stats.items()} for n, stats in busy.items()},
             }, indent=2) + "\n")
             _plot_if_possible(args.json)
     dist.destroy_process_group()

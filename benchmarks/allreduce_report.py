@@ -40,11 +40,12 @@ def print_table(rows: list[dict], contenders: tuple[str, ...], limits: dict) -> 
         print_front_end(rows)
 
 
-def print_busy(busy: dict, contenders: tuple[str, ...], nbytes: int) -> None:
+def print_busy(busy: dict, nbytes: int) -> None:
     print(f"\nall_reduce of {human(nbytes)} between rounds of compute, from the last rank's "
-          "arrival, us: mean, median, p90, best")
-    for n in contenders:
-        print(f"{n:>10}: " + " ".join(f"{busy[n][k] * 1e6:8.1f}"
+          "arrival, us: mean, median, p90, best (front_end: on a group of one; raw_self: MPI "
+          "on one rank)")
+    for n in busy:
+        print(f"{n:>15}: " + " ".join(f"{busy[n][k] * 1e6:8.1f}"
                                       for k in ("mean", "median", "p90", "best")))
 
 
