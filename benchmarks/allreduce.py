@@ -199,8 +199,8 @@ def allreduce_table(groups, args, limits: dict[str, float],
 def busy_allreduce(groups, args, solo=None) -> dict[str, dict[str, float]]:
     """Latency after the last rank's arrival of an all_reduce between rounds of compute; with
     ``solo`` also what each layer costs alone with the caches cold from the compute:
-    ``front_end`` (dist.all_reduce on a group of one: torch and the compiled backend) and
-    ``raw_self`` (MPI's all_reduce on one rank)."""
+    ``front_end`` (dist.all_reduce on a group of one: torch and the compiled backend),
+    ``raw_nonblocking`` (allreduce_ops') and ``raw_self`` (MPI's all_reduce on one rank)."""
     torch.set_num_threads(1)  # one core per rank, as benchmarks/train_scaling.py runs them
     a = torch.randn(BUSY_UNIT, BUSY_UNIT)
     units = 20 + 4 * COMM.rank
