@@ -27,9 +27,9 @@ from launcher.core.defaults import PREEMPT_SIGNAL
 from launcher.core.errors import LaunchError, report_and_exit
 from launcher.placement import settings
 from launcher.placement.detection import detect_launcher
-from launcher.placement.detectors import Slurm
 from launcher.placement.hostlist import expand_hostlist
 from launcher.placement.network import NetworkChoice, choose, loops_back
+from launcher.placement.slurm_detector import Slurm
 from launcher.placement.variables import Placement, read_int
 
 #: signals that cannot be caught, so cannot announce a preemption

@@ -1,5 +1,6 @@
 """What a launcher's variables say about this process (``Placement``), read strictly: the
-building blocks of the detectors (``launcher.placement.detectors``)."""
+building blocks of the detectors (``launcher.placement.detectors``) and their interface
+(``Detector``)."""
 
 from __future__ import annotations
 
@@ -83,3 +84,18 @@ def block_placement(rank: int, size: int, local_rank: int, local_size: int) -> P
         node_rank=min(rank // local_size, -(-size // local_size) - 1),
         num_nodes=-(-size // local_size),
     )
+
+
+class Detector:
+    """One launcher: ``detect`` says whether it started us, ``read`` where it put us."""
+
+    name = ""
+    #: whether the PMI variables this process sees (``JobEnv.pmi``) are this launcher's for it;
+    #: False where they are an outer launcher's, for the process that started this one
+    serves_pmi = True
+
+    def detect(self, environ: Environ) -> bool:
+        raise NotImplementedError
+
+    def read(self, environ: Environ) -> Placement:
+        raise NotImplementedError
