@@ -200,14 +200,22 @@ def busy_allreduce(groups, args, solo=None) -> dict[str, dict[str, float]]:
     """Latency after the last rank's arrival of an all_reduce between rounds of compute; with
     ``solo`` also what each layer costs alone with the caches cold from the compute:
     ``front_end`` (dist.all_reduce on a group of one: torch and the compiled backend),
-    ``raw_nonblocking`` (allreduce_ops') and ``raw_self`` (MPI's all_reduce on one rank)."""
+    ``raw_nonblocking`` (allreduce_ops') and ``raw_self`` (MPI's all_reduce on one rank); and
+    ``mpi_cxx_warmed``: the compiled backend's call after an untimed all_reduce of one float on
+    the group of one, which brings the code path both take back into the caches."""
     torch.set_num_threads(1)  # one core per rank, as benchmarks/train_scaling.py runs them
     a = torch.randn(BUSY_UNIT, BUSY_UNIT)
     units = 20 + 4 * COMM.rank
     ops = allreduce_ops(BUSY_BYTES, groups, solo)
+    before = dict.fromkeys(ops, lambda: None)
     if solo is not None:
         alone = np.zeros(BUSY_BYTES // 4, np.float32)
         ops["raw_self"] = lambda: MPI.COMM_SELF.Allreduce(MPI.IN_PLACE, alone, op=MPI.SUM)
+        before["raw_self"] = lambda: None
+        if "mpi_cxx" in ops:
+            one = torch.zeros(1)
+            ops["mpi_cxx_warmed"] = ops["mpi_cxx"]
+            before["mpi_cxx_warmed"] = lambda: dist.all_reduce(one, group=solo)
     result = {}
     for name, op in ops.items():
         times = np.empty(args.busy_calls)
@@ -215,6 +223,7 @@ def busy_allreduce(groups, args, solo=None) -> dict[str, dict[str, float]]:
         for i in range(args.busy_calls):
             for _ in range(units):
                 a @ a
+            before[name]()
             start = time.perf_counter()
             op()
             times[i] = time.perf_counter() - start

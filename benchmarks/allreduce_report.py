@@ -43,7 +43,7 @@ def print_table(rows: list[dict], contenders: tuple[str, ...], limits: dict) -> 
 def print_busy(busy: dict, nbytes: int) -> None:
     print(f"\nall_reduce of {human(nbytes)} between rounds of compute, from the last rank's "
           "arrival, us: mean, median, p90, best (front_end: on a group of one; raw_self: MPI "
-          "on one rank)")
+          "on one rank; mpi_cxx_warmed: after an untimed front_end call)")
     for n in busy:
         print(f"{n:>15}: " + " ".join(f"{busy[n][k] * 1e6:8.1f}"
                                       for k in ("mean", "median", "p90", "best")))
