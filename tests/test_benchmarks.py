@@ -47,7 +47,8 @@ def test_allreduce_benchmark_writes_every_table(tmp_path):
     cxx = {"mpi_cxx"} if mpi_cxx.built_path().exists() else set()
     # beside the compiled backend, each layer alone: torch's front end, MPI's parts; and the
     # backend with the code path warmed
-    layers = {"front_end", "raw_nonblocking", "raw_self", "mpi_cxx_warmed"} if cxx else set()
+    layers = ({"front_end", "raw_after_front_end", "raw_nonblocking", "raw_self",
+               "mpi_cxx_warmed"} if cxx else set())
     assert set(busy) == {"mpi4py", "gloo", "raw"} | cxx | layers
     # the ping-pong also times the compiled backend's ProcessGroup without torch's dist.send
     assert set(report["pingpong_half_round_trip_us"]) == (
@@ -61,6 +62,10 @@ def test_allreduce_benchmark_writes_every_table(tmp_path):
                 row["mpi_cxx_best_us"] - row["raw_best_us"])
             assert row["front_end_goal_met_best"] == (
                 row["mpi_cxx_minus_raw_best_us"] <= row["front_end_best_us"] + 1.0)
+            assert row["front_end_total_median_us"] == pytest.approx(
+                row["raw_after_front_end_median_us"] - row["raw_median_us"])
+            assert row["front_end_total_goal_met_median"] == (
+                row["mpi_cxx_minus_raw_median_us"] <= row["front_end_total_median_us"] + 1.0)
             assert row["raw_nonblocking_best_us"] > 0
             assert row["nonblocking_minus_raw_best_us"] == pytest.approx(
                 row["raw_nonblocking_best_us"] - row["raw_best_us"])
