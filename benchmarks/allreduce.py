@@ -150,7 +150,7 @@ def allreduce_ops(nbytes: int, groups: dict, solo: dist.ProcessGroup | None = No
 
 def _after_front_end(solo: dist.ProcessGroup, raw_call):
     """torch's front end on one float (``dist.all_reduce`` on the group of one), then the raw
-    MPI call on raw's own buffer, timed as one: what the front end costs a call, its own time
+    MPI call on the shared buffer, timed as one: what the front end costs a call, its own time
     and its effect on the MPI call after it. Raw MPI right after it took longer by far more
     than the front end's own 4 us (2 ranks, this VM, 2026-12-03: +17 us at 1 MiB, +35 at 4 MiB;
     perf showed more time in the kernel's walk of the peer's page tables), which the front end
