@@ -155,12 +155,19 @@ def _after_front_end(solo: dist.ProcessGroup, raw_call):
     than the front end's own 4 us (2 ranks, this VM, 2026-12-03: +17 us at 1 MiB, +35 at 4 MiB;
     perf showed more time in the kernel's walk of the peer's page tables), which the front end
     timed alone cannot show."""
-    one = torch.zeros(1)
+    front_end = one_float_call(solo)
 
     def run():
-        dist.all_reduce(one, group=solo)
+        front_end()
         raw_call()
     return run
+
+
+def one_float_call(solo: dist.ProcessGroup):
+    """``dist.all_reduce`` of one float on ``solo``: torch's front end and the backend's call
+    with no data and no peer."""
+    one = torch.zeros(1)
+    return lambda: dist.all_reduce(one, group=solo)
 
 
 def _nonblocking(buf: np.ndarray):
@@ -242,9 +249,8 @@ def busy_allreduce(groups, args, solo=None) -> dict[str, dict[str, float]]:
         alone = np.zeros(BUSY_BYTES // 4, np.float32)
         ops["raw_self"] = lambda: MPI.COMM_SELF.Allreduce(MPI.IN_PLACE, alone, op=MPI.SUM)
         if "mpi_cxx" in ops:
-            one = torch.zeros(1)
             ops["mpi_cxx_warmed"] = ops["mpi_cxx"]
-            before["mpi_cxx_warmed"] = lambda: dist.all_reduce(one, group=solo)
+            before["mpi_cxx_warmed"] = one_float_call(solo)
     result = {}
     for name, op in ops.items():
         times = np.empty(args.busy_calls)

@@ -43,7 +43,8 @@ def print_table(rows: list[dict], contenders: tuple[str, ...], limits: dict) -> 
 def print_busy(busy: dict, nbytes: int) -> None:
     print(f"\nall_reduce of {human(nbytes)} between rounds of compute, from the last rank's "
           "arrival, us: mean, median, p90, best (front_end: on a group of one; raw_self: MPI "
-          "on one rank; mpi_cxx_warmed: after an untimed front_end call)")
+          "on one rank; mpi_cxx_warmed: after an untimed front_end call; raw_after_front_end: "
+          "a front_end call then raw, timed as one)")
     for n in busy:
         print(f"{n:>15}: " + " ".join(f"{busy[n][k] * 1e6:8.1f}"
                                       for k in ("mean", "median", "p90", "best")))
