@@ -227,6 +227,8 @@ def test_a_run_says_nothing_of_cma_when_on_and_the_check_says_it_either_way():
     check = run_mpi(2, ["-m", "launcher.check", "--backend", "mpi"], timeout=120)
     assert check.returncode == 0, check.output
     [line] = [x for x in check.stderr.splitlines() if "(CMA) on " in x]
+    if ": on: " in line:  # and whether torch's large buffers are in huge pages, which it copies
+        assert sum(x.startswith("huge pages: ") for x in check.stderr.splitlines()) == 1
     plain = run_mpi(2, ["-c", "import launcher\nwith launcher.distributed('mpi') as job:\n"
                         "    job.print('up')"], timeout=120)
     assert plain.returncode == 0 and plain.stdout == "up\n", plain.output

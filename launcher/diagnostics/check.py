@@ -41,7 +41,7 @@ from launcher.diagnostics.rank_report import (
 from launcher.faults.exits import exit_statuses
 from launcher.group.backends import BACKEND_CHOICES
 from launcher.group.process_group import DistContext, process_group
-from launcher.mpi import single_copy
+from launcher.mpi import huge_pages, single_copy
 from launcher.placement import settings
 from launcher.placement.env import JobEnv
 
@@ -128,10 +128,12 @@ def run_check(env: JobEnv, backends: list[str], timeout_s: float, as_json: bool)
 
 
 def _say_single_copy(env: JobEnv) -> None:
-    """This node's CMA decision, which a run prints only when it is off: here on too."""
+    """This node's CMA decision, which a run prints only when it is off: here on too, and
+    whether torch's large buffers are in huge pages, which CMA copies faster."""
     decided = single_copy.decided()
     if env.local_rank == 0 and decided is not None and decided[0]:
         print(decided[1], file=sys.stderr, flush=True)
+        print(huge_pages.line(), file=sys.stderr, flush=True)
 
 
 def mixed_implementations(results: list[CollectiveResult]) -> list[str]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from launcher.mpi import cma
+from launcher.mpi import cma, huge_pages
 from launcher.placement import settings
 from launcher.placement.env import JobEnv
 
@@ -55,6 +55,7 @@ def decide(env: JobEnv, chosen: Switch) -> None:
     and what it costs, in one line.
 
     Only for MPI launches with several ranks on the node: one rank has no peer to copy from.
+    Where on, torch's large CPU buffers go into huge pages (``launcher.mpi.huge_pages``).
     The user's own setting wins and is not probed (the transfer check in
     launcher/mpi/backend.py still stops wrong sums). Ours goes into the environment, which
     processes the rank starts later inherit (they do not probe for peers that are gone: the
@@ -68,6 +69,8 @@ def decide(env: JobEnv, chosen: Switch) -> None:
     value = on if decision.on else off
     if value is not None:
         settings.decide(variable, value, line)
+    if decision.on:
+        huge_pages.prefer()
     if not decision.one_namespace:
         settings.prefer(UCX_TLS, UCX_WITHOUT_POSIX, "the node's ranks are in several user "
                         "namespaces, which cannot open each other's POSIX shared memory "

@@ -1,0 +1,88 @@
+"""Huge pages for torch's CPU buffers where a node's ranks copy from each other's memory
+(launcher.mpi.huge_pages): the kernel's rule read, the setting made or left, and a real job's
+all_reduce buffer in huge pages. The speedup is a benchmark's (benchmarks/huge_pages.py)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from launcher.mpi import huge_pages
+from launcher.placement import settings
+from tests.fixtures.mpi import clean_environ, run_mpi
+
+
+@pytest.fixture
+def own_settings(monkeypatch):
+    """An empty record and environment of this process's own, as a rank starts with."""
+    monkeypatch.setattr(settings, "_applied", {})
+    monkeypatch.setattr(settings.os, "environ", {})
+
+
+@pytest.mark.parametrize(("text", "mode"), [
+    ("always [madvise] never\n", "madvise"),
+    ("[always] madvise never\n", "always"),
+    ("always madvise [never]\n", "never"),
+    ("garbled\n", "unknown"),
+])
+def test_the_kernels_rule_is_the_bracketed_word(tmp_path, text, mode):
+    (tmp_path / "enabled").write_text(text)
+    assert huge_pages.system_mode(tmp_path / "enabled") == mode
+    assert huge_pages.system_mode(tmp_path / "absent") == "unknown"
+
+
+@pytest.mark.parametrize(("mode", "user", "expected"), [
+    ("madvise", None, "1"),
+    ("always", None, "1"),
+    ("madvise", "0", "0"),  # the user's own value wins
+    ("never", None, None),  # the kernel gives none: nothing to ask torch for
+    ("unknown", None, None),
+])
+def test_torch_is_asked_for_huge_pages_unless_the_user_or_the_kernel_decided(own_settings, mode,
+                                                                           user, expected):
+    if user is not None:
+        settings.os.environ[huge_pages.VARIABLE] = user
+    huge_pages.prefer(mode)
+    assert settings.os.environ.get(huge_pages.VARIABLE) == expected
+    recorded = {s["name"]: s for s in settings.applied()}
+    if expected is None:
+        assert recorded == {}
+    else:
+        assert recorded[huge_pages.VARIABLE]["source"] == ("user" if user else "launcher")
+        assert f"the kernel's rule: {mode}" in recorded[huge_pages.VARIABLE]["why"]
+
+
+def test_set_after_torch_allocated_the_line_says_it_came_too_late():
+    code = ("import os, torch\nfrom launcher.mpi import huge_pages\ntorch.zeros(1)\n"
+            "os.environ[huge_pages.VARIABLE] = '1'\nprint(huge_pages.line('madvise'))\n"
+            "print(huge_pages.line('never'))")
+    environ = {k: v for k, v in clean_environ().items() if k != huge_pages.VARIABLE}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=environ, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [
+        "huge pages: off: torch allocated before THP_MEM_ALLOC_ENABLE=1 was set; set it in "
+        "the job's environment",
+        "huge pages: off: the kernel's rule is never"]
+
+
+def test_a_jobs_large_buffers_are_in_huge_pages_where_its_ranks_use_cma():
+    """Two ranks of one node under mpiexec with the mpi backend: the launcher turned CMA on
+    and torch's 8 MiB buffer (DDP's buckets are up to 25 MiB) has huge pages in it; on a
+    kernel that gives none, the launcher did not ask."""
+    code = ("import os, torch, launcher\nfrom launcher.mpi import huge_pages, single_copy\n"
+            "with launcher.distributed('mpi') as job:\n"
+            "    before = huge_pages.backed_bytes()\n"
+            "    grads = torch.ones(2 << 20)\n"
+            "    torch.distributed.all_reduce(grads)\n"
+            "    job.print(single_copy.decided()[0], os.environ.get(huge_pages.VARIABLE),\n"
+            "              huge_pages.taken(), huge_pages.backed_bytes() - before >= 2 << 20,\n"
+            "              grads[0].item())")
+    done = run_mpi(2, ["-c", code], timeout=120)
+    assert done.returncode == 0, done.output
+    if huge_pages.system_mode() in ("madvise", "always"):
+        assert done.stdout == "True 1 True True 2.0\n", done.output
+    else:
+        assert done.stdout == "True None False False 2.0\n", done.output
