@@ -62,7 +62,7 @@ import torch
 import torch.distributed as dist
 from mpi4py import MPI
 
-from benchmarks import allreduce_report, pingpong, rank_side
+from benchmarks import allreduce_report, pingpong, plots, rank_side
 from benchmarks.floor import floor
 from benchmarks.timing import COMM, measure
 from benchmarks.units import bus_factor
@@ -73,7 +73,8 @@ from launcher.training.models import cnn  # noqa: E402
 
 SIZES = [4 << 10 << (2 * i) for i in range(8)]  # 4 KiB, 16 KiB, ..., 64 MiB
 #: the gradients of the CNN: the all_reduce of each step of the weak-scaling benchmark
-BUSY_BYTES = 4 * sum(p.numel() for p in cnn().parameters())
+with torch.device("meta"):  # counted, not allocated: importing allocates nothing (huge_pages)
+    BUSY_BYTES = 4 * sum(p.numel() for p in cnn().parameters())
 #: one unit of compute between busy calls: a 256 x 256 matrix product, ~0.4 ms on one core
 BUSY_UNIT = 256
 
@@ -271,18 +272,6 @@ def busy_allreduce(groups, args, solo=None) -> dict[str, dict[str, float]]:
     return result
 
 
-def _plot_if_possible(path: Path) -> None:
-    """The PNG beside the JSON where matplotlib is installed (the dev venv; not the image, where
-    benchmarks/cluster.py draws it on the host instead)."""
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        return
-    from benchmarks import plots
-
-    print(f"wrote {plots.allreduce(json.loads(path.read_text()), path)}")
-
-
 def main() -> None:
     args = parse_args()
     rank_side.end_job_on_error()
@@ -316,7 +305,7 @@ def main() -> None:
                 "busy_allreduce_after_last_arrival_us": {
                     n: {k: v * 1e6 for k, v in stats.items()} for n, stats in busy.items()},
             }, indent=2) + "\n")
-            _plot_if_possible(args.json)
+            plots.if_possible(args.json)
     dist.destroy_process_group()
 
 

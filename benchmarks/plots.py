@@ -6,7 +6,8 @@ Each JSON gets a PNG of the same name beside it: an all_reduce result (benchmark
 also run across nodes by benchmarks/cluster.py) as bus bandwidth against message size with the
 link's floor; a weak-scaling result (benchmarks/train_scaling.py, cluster.py) as bars; a
 binding result (benchmarks/binding.py) as bars per rank count; the recorder's share of a step
-(benchmarks/recorder_instructions.py) as bars against issue 36's 2 %.
+(benchmarks/recorder_instructions.py) as bars against issue 36's 2 %; huge pages' speedup
+(benchmarks/huge_pages.py) as lines against the size.
 """
 
 from __future__ import annotations
@@ -139,11 +140,48 @@ def recorder(result: dict, path: Path) -> Path:
     return _saved(plt, figure, path)
 
 
+def huge_pages(result: dict, path: Path) -> Path:
+    """Each contender's speedup on huge pages over 4 KiB pages against the size: on huge pages
+    throughout (solid) and on torch's own buffer (dashed)."""
+    plt = _pyplot()
+    rows = result["allreduce"]
+    sizes = [row["bytes"] for row in rows]
+    names = [k.removesuffix("_small_median_us") for k in rows[0] if k.endswith("_small_median_us")]
+    figure, axes = plt.subplots(figsize=(7.5, 3.8))
+    for i, name in enumerate(names):
+        for pages, style in (("huge", "-"), ("torch", "--")):
+            axes.plot(sizes, [row[f"{name}_{pages}_speedup_median"] for row in rows],
+                      marker="o", linestyle=style, color=f"C{i}",
+                      label=f"{name}, {'huge pages' if pages == 'huge' else 'torch buffer'}")
+    axes.axhline(1.0, color="black", linewidth=0.8)
+    axes.set_xscale("log", base=2)
+    axes.set_xticks(sizes, [human(s) for s in sizes], rotation=30)
+    axes.set_xlabel("all_reduce message (float32)")
+    axes.set_ylabel("speedup over 4 KiB pages (median)")
+    axes.set_title(f"all_reduce on huge pages, {result['world_size']} ranks, one node "
+                   f"(kernel: {result['transparent_hugepage']})", fontsize="medium")
+    axes.legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.01, 1))
+    axes.grid(alpha=0.3)
+    return _saved(plt, figure, path)
+
+
+def if_possible(path: Path) -> None:
+    """The PNG beside the JSON where matplotlib is installed (the dev venv; not the image, where
+    benchmarks/cluster.py draws it on the host instead)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return
+    main([str(path)])
+
+
 def main(paths: list[str]) -> int:
     for name in paths:
         path = Path(name)
         result = json.loads(path.read_text())
-        if "allreduce" in result and isinstance(result["allreduce"], list):
+        if "transparent_hugepage" in result:
+            print(f"wrote {huge_pages(result, path)}")
+        elif "allreduce" in result and isinstance(result["allreduce"], list):
             print(f"wrote {allreduce(result, path)}")
         elif "rows" in result and "host" in result:
             print(f"wrote {binding(result, path)}")
