@@ -24,12 +24,17 @@ from tests.fixtures.requirements import missing
 pytestmark = pytest.mark.mpi
 
 
-def test_allreduce_benchmark_writes_every_table(tmp_path):
-    out = tmp_path / "allreduce.json"
-    result = run_mpi(2, ["-m", "benchmarks.allreduce", "--seconds", "0.02", "--rounds", "1",
-                         "--busy-calls", "20", "--json", str(out)], timeout=300)
+def _two_ranks(tmp_path, name: str, *args: str):
+    """``python -m benchmarks.NAME ARGS`` on 2 ranks: the run, ended well, and its JSON."""
+    out = tmp_path / f"{name}.json"
+    result = run_mpi(2, ["-m", f"benchmarks.{name}", *args, "--json", str(out)], timeout=300)
     assert result.returncode == 0, result.output
-    report = json.loads(out.read_text())
+    return result, json.loads(out.read_text())
+
+
+def test_allreduce_benchmark_writes_every_table(tmp_path):
+    result, report = _two_ranks(tmp_path, "allreduce", "--seconds", "0.02", "--rounds", "1",
+                                "--busy-calls", "20")
     assert [row["bytes"] for row in report["allreduce"]] == [4 << 10 << 2 * i for i in range(8)]
     floor = report["floor"]
     assert 0 < floor["link_median_GBps"] <= floor["link_GBps"] and floor["memcpy_GBps"] > 0
@@ -42,7 +47,7 @@ def test_allreduce_benchmark_writes_every_table(tmp_path):
         assert row["mpi4py_vs_exchange_median"] == pytest.approx(
             row["mpi4py_median_busGBps"] / floor["exchange_GBps"])
     # the plot beside the JSON (matplotlib is in the dev extra)
-    assert out.with_suffix(".png").read_bytes().startswith(b"\x89PNG")
+    assert (tmp_path / "allreduce.png").read_bytes().startswith(b"\x89PNG")
     busy = report["busy_allreduce_after_last_arrival_us"]
     cxx = {"mpi_cxx"} if mpi_cxx.built_path().exists() else set()
     # beside the compiled backend, each layer alone: torch's front end, MPI's parts; and the
@@ -75,11 +80,8 @@ def test_allreduce_benchmark_writes_every_table(tmp_path):
 
 
 def test_ddp_step_benchmark_times_each_backend_beside_compute_alone(tmp_path):
-    out = tmp_path / "ddp_step.json"
-    result = run_mpi(2, ["-m", "benchmarks.ddp_step", "--seconds", "0.2", "--rounds", "1",
-                         "--max-calls", "3", "--json", str(out)], timeout=300)
-    assert result.returncode == 0, result.output
-    report = json.loads(out.read_text())
+    result, report = _two_ranks(tmp_path, "ddp_step", "--seconds", "0.2", "--rounds", "1",
+                                "--max-calls", "3")
     steps = report["step_ms"]
     cxx = {"mpi_cxx"} if mpi_cxx.built_path().exists() else set()
     assert set(steps) == {"compute", "serial", "ddp alone", "mpi4py", "gloo"} | cxx
@@ -90,6 +92,23 @@ def test_ddp_step_benchmark_times_each_backend_beside_compute_alone(tmp_path):
     assert report["hidden_ms"]["best"] == pytest.approx(
         steps["serial"]["best"] + steps["ddp alone"]["best"] - steps["compute"]["best"]
         - steps[backend]["best"])
+
+
+def test_huge_pages_benchmark_puts_each_kind_of_page_beside_4_kib_ones(tmp_path):
+    result, report = _two_ranks(tmp_path, "huge_pages", "--seconds", "0.05", "--rounds", "1",
+                                "--sizes", "8")
+    assert report["torch_takes_huge_pages"] is True  # set before torch's first allocation
+    [row] = report["allreduce"]
+    assert row["bytes"] == 8 << 20 and row["small_huge_backed_bytes"] == 0
+    if report["transparent_hugepage"] in ("madvise", "always"):
+        assert row["huge_huge_backed_bytes"] == 8 << 20
+    cxx = ["mpi_cxx"] if mpi_cxx.built_path().exists() else []
+    for name in [*cxx, "mpi4py", "gloo", "raw"]:
+        for pages in ("huge", "torch"):
+            assert row[f"{name}_{pages}_speedup_median"] == pytest.approx(
+                row[f"{name}_small_median_us"] / row[f"{name}_{pages}_median_us"])
+    assert "huge MiB: all, torch's" in result.stdout
+    assert (tmp_path / "huge_pages.png").read_bytes().startswith(b"\x89PNG")
 
 
 def test_train_scaling_benchmark_splits_weak_scaling_and_measures_the_broadcast(tmp_path):
@@ -112,7 +131,7 @@ def test_train_scaling_benchmark_splits_weak_scaling_and_measures_the_broadcast(
     assert sum(r["model"] == "cnn" for r in report["runs"]) == 5
     assert set(report["weak_step_breakdown"]) == {"1 rank", "2 ranks gloo", "2 ranks mpi"}
     assert "= machine" in result.stdout and "Where a step goes" in result.stdout
-    assert out.with_suffix(".png").read_bytes().startswith(b"\x89PNG")
+    assert (tmp_path / "allreduce.png").read_bytes().startswith(b"\x89PNG")
 
 
 class FakeRuns:
