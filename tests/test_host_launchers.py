@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 
 from ddp_tasks.commands import Launch, container_argv, program_env
+from launcher.mpi import huge_pages
 from tests.fixtures.docker import COLD_BUILD_TIMEOUT
 from tests.fixtures.host_mpi import (
     IMPI_ENV,
@@ -132,8 +133,12 @@ def test_srun_starts_ranks_in_the_image(slurm_cluster, ch_image, tmp_path, plugi
         check = slurm_cluster.srun(["-n", "2", *mpi, *ch, "python", "-m", "launcher.check",
                                     "--backend", "mpi"], timeout=RUN_TIMEOUT, env=_user_env())
         passed_check(check, library, libmpi, "pmix" if plugin == "pmix" else "pmi")
-        # ch-run --join: the node's ranks share a user namespace, so CMA comes on
+        # ch-run --join: the node's ranks share a user namespace, so CMA comes on, and with it
+        # huge pages for torch's large buffers, set as the image's Python starts
         assert ": on: 2 local ranks in one user namespace" in cma_line(check)
+        [pages] = [x for x in check.stderr.splitlines() if x.startswith("huge pages: ")]
+        kernel_gives = huge_pages.system_mode() in ("madvise", "always")
+        assert pages.startswith("huge pages: on" if kernel_gives else "huge pages: off"), pages
         train = slurm_cluster.srun(["-n", "2", *mpi, *ch, "python", "-m", "launcher.train",
                                     *TRAIN], timeout=RUN_TIMEOUT, env=_user_env())
     equal_hashes(train)
