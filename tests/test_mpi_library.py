@@ -284,6 +284,7 @@ def test_a_host_open_mpi_4_bound_in_has_its_vader_single_copy_off_where_cma_fail
     assert mpi_library.load(env).path == str(host)
     assert written.get(single_copy.VADER[0]) == expected
     assert single_copy.SMSC_VARIABLE not in written
+    assert huge_pages.VARIABLE not in written  # its own mechanism stays: no huge pages asked
     decided = single_copy.decided()
     assert decided is None if on else decided[0] is False and "off: why" in decided[1]
 

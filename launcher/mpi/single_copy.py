@@ -69,7 +69,7 @@ def decide(env: JobEnv, chosen: Switch) -> None:
     value = on if decision.on else off
     if value is not None:
         settings.decide(variable, value, line)
-    if decision.on:
+    if decision.on and value is not None:  # not where a host MPI keeps its own mechanism
         huge_pages.prefer()
     if not decision.one_namespace:
         settings.prefer(UCX_TLS, UCX_WITHOUT_POSIX, "the node's ranks are in several user "
