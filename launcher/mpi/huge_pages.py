@@ -5,9 +5,9 @@ For each large message between two ranks of a node, the kernel walks the sender'
 tables as it copies (``process_vm_readv``): 1,024 pages for 4 MiB in 4 KiB pages, 2 in huge
 pages of 2 MiB. torch's CPU allocator asks the kernel for huge pages (``madvise``) for its
 buffers of 2 MiB and more only when ``THP_MEM_ALLOC_ENABLE=1``, read at its first
-allocation. An all_reduce of 2-64 MiB was 1.17-1.39x faster on memory in huge pages, and
-1.11-1.33x on torch's own buffers from 8 MiB up, with either mpi backend and raw mpi4py
-alike; without CMA, no faster (benchmarks/README.md, "Huge pages").
+allocation. An all_reduce of 2-64 MiB was 1.17-1.63x faster on memory in huge pages, and
+1.11-1.55x on torch's own buffers from 8 MiB up, with either mpi backend and raw mpi4py
+alike (two runs); without CMA 0.99-1.09x (benchmarks/README.md, "Huge pages").
 
 The launcher sets it where it turns CMA on for the bundled MPIs, unless the user set it
 (``=0`` keeps 4 KiB pages: a kernel short of free huge pages compacts memory at the fault,
@@ -46,7 +46,7 @@ def prefer(mode: str | None = None) -> None:
         return
     settings.prefer(VARIABLE, "1", f"huge pages (the kernel's rule: {mode}) for torch's CPU "
                     "buffers of 2 MiB and more: CMA copies them page by page, all_reduce "
-                    "1.1-1.3x faster from 8 MiB up (1.17x at 25 MiB, DDP's bucket size)")
+                    "1.1-1.5x faster from 8 MiB up (1.2-1.3x at 25 MiB, DDP's bucket size)")
 
 
 def taken() -> bool:
