@@ -55,14 +55,13 @@ import os
 import socket
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from mpi4py import MPI
 
-from benchmarks import allreduce_report, pingpong, plots, rank_side
+from benchmarks import allreduce_report, pingpong, plots, rank_side, timing
 from benchmarks.floor import floor
 from benchmarks.timing import COMM, measure
 from benchmarks.units import bus_factor
@@ -73,19 +72,16 @@ from launcher.training.models import cnn  # noqa: E402
 
 SIZES = [4 << 10 << (2 * i) for i in range(8)]  # 4 KiB, 16 KiB, ..., 64 MiB
 #: the gradients of the CNN: the all_reduce of each step of the weak-scaling benchmark
-with torch.device("meta"):  # counted, not allocated: importing allocates nothing (huge_pages)
+# counted on the meta device, not allocated: a benchmark that imports this module can still set
+# torch's allocator variables, read at its first allocation (huge_pages.py)
+with torch.device("meta"):
     BUSY_BYTES = 4 * sum(p.numel() for p in cnn().parameters())
 #: one unit of compute between busy calls: a 256 x 256 matrix product, ~0.4 ms on one core
 BUSY_UNIT = 256
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--json", type=Path, help="write the results here (rank 0)")
-    parser.add_argument("--rounds", type=int, default=8, help="turns each contender takes")
-    parser.add_argument("--seconds", type=float, default=0.8,
-                        help="time budget per size and contender, all rounds together")
-    parser.add_argument("--max-calls", type=int, default=2000, help="calls per size at most")
+    parser = timing.parser(__doc__, rounds=8, seconds=0.8, max_calls=2000)
     parser.add_argument("--busy-calls", type=int, default=400,
                         help="calls of the all_reduce between rounds of compute")
     return parser.parse_args()

@@ -27,11 +27,11 @@ import argparse
 import json
 import os
 import sys
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from benchmarks import timing
 from benchmarks.allreduce import init_groups
 from benchmarks.timing import COMM, measure
 
@@ -39,13 +39,8 @@ LAYERS, WIDTH, BATCH = 8, 512, 64
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--json", type=Path, help="write the results here (rank 0)")
-    parser.add_argument("--rounds", type=int, default=6, help="turns each contender takes")
-    parser.add_argument("--seconds", type=float, default=6.0,
-                        help="time budget per contender, all rounds together")
-    parser.add_argument("--max-calls", type=int, default=300, help="steps per contender at most")
-    return parser.parse_args()
+    return timing.parser(__doc__, rounds=6, seconds=6.0, max_calls=300, per="contender",
+                         calls="steps per contender").parse_args()
 
 
 def model() -> torch.nn.Module:

@@ -21,14 +21,13 @@ import json
 import mmap
 import os
 import sys
-from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from mpi4py import MPI
 
-from benchmarks import plots, rank_side
+from benchmarks import plots, rank_side, timing
 from benchmarks.allreduce import contenders, init_groups
 from benchmarks.timing import COMM, measure
 from launcher.mpi import huge_pages
@@ -41,12 +40,7 @@ PAGES = ("small", "huge", "torch")
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--json", type=Path, help="write the results here (rank 0)")
-    parser.add_argument("--rounds", type=int, default=6, help="turns each contender takes")
-    parser.add_argument("--seconds", type=float, default=1.0,
-                        help="time budget per size and contender, all rounds together")
-    parser.add_argument("--max-calls", type=int, default=1000, help="calls per size at most")
+    parser = timing.parser(__doc__, rounds=6, seconds=1.0, max_calls=1000)
     parser.add_argument("--sizes", type=lambda s: tuple(int(x) * MiB for x in s.split(",")),
                         default=SIZES, help="sizes in MiB, comma-separated")
     return parser.parse_args()
@@ -87,11 +81,9 @@ def ops(buffers: dict[str, torch.Tensor], groups: dict) -> dict:
     made = {}
     for pages, buf in buffers.items():
         for name, group in groups.items():
-            made[f"{name}/{pages}"] = (lambda b, g: lambda: dist.all_reduce(b, group=g))(
-                buf, group)
+            made[f"{name}/{pages}"] = lambda b=buf, g=group: dist.all_reduce(b, group=g)
         raw = buf.numpy()
-        made[f"raw/{pages}"] = (lambda r: lambda: COMM.Allreduce(MPI.IN_PLACE, r,
-                                                                 op=MPI.SUM))(raw)
+        made[f"raw/{pages}"] = lambda r=raw: COMM.Allreduce(MPI.IN_PLACE, r, op=MPI.SUM)
     return made
 
 
@@ -134,21 +126,23 @@ def main() -> None:
     # forced, a user's =0 too: what torch's own buffer gains with the launcher's setting is
     # what this measures; before torch's first allocation, when torch reads it
     os.environ[huge_pages.VARIABLE] = "1"
-    if not huge_pages.taken():
+    taken = huge_pages.taken()
+    if not taken:
         sys.exit(f"error: torch allocated before {huge_pages.VARIABLE} was set\n"
                  f"HINT: run with {huge_pages.VARIABLE}=1 in the environment")
     rank_side.end_job_on_error()
     groups = init_groups()
     rows = table(groups, args)
     if COMM.rank == 0:
-        print(f"transparent huge pages: {huge_pages.system_mode()}")
+        mode = huge_pages.system_mode()
+        print(f"transparent huge pages: {mode}")
         print_table(rows, contenders(groups))
         if args.json:
             args.json.write_text(json.dumps({
                 "command": " ".join(sys.argv),
                 "world_size": COMM.size,
-                "transparent_hugepage": huge_pages.system_mode(),
-                "torch_takes_huge_pages": huge_pages.taken(),
+                "transparent_hugepage": mode,
+                "torch_takes_huge_pages": taken,
                 "mpi_library": MPI.Get_library_version().splitlines()[0].strip(),
                 "torch": torch.__version__,
                 "load_average": os.getloadavg(),

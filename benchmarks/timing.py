@@ -4,13 +4,29 @@ on all of them alike."""
 
 from __future__ import annotations
 
+import argparse
 import random
 import time
+from pathlib import Path
 
 import numpy as np
 from mpi4py import MPI
 
 COMM = MPI.COMM_WORLD
+
+
+def parser(doc: str, rounds: int, seconds: float, max_calls: int, per: str = "size and contender",
+           calls: str = "calls per size") -> argparse.ArgumentParser:
+    """The command line of a benchmark timed by ``measure``, which reads its ``--rounds``,
+    ``--seconds`` and ``--max-calls``, with these defaults; ``per``: what the time budget is
+    for, ``calls``: what ``--max-calls`` counts."""
+    made = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    made.add_argument("--json", type=Path, help="write the results here (rank 0)")
+    made.add_argument("--rounds", type=int, default=rounds, help="turns each contender takes")
+    made.add_argument("--seconds", type=float, default=seconds,
+                      help=f"time budget per {per}, all rounds together")
+    made.add_argument("--max-calls", type=int, default=max_calls, help=f"{calls} at most")
+    return made
 
 
 def sample(op, calls: int) -> np.ndarray:
