@@ -12,6 +12,12 @@ only when ``THP_MEM_ALLOC_ENABLE=1`` (its buffers of 2 MiB and more), which the 
 mappings of their own, aligned to 2 MiB, the same size; the small one is advised against huge
 pages (MADV_NOHUGEPAGE) so that a host whose kernel gives them to every mapping ("always")
 still has a contender in 4 KiB pages. Contenders take turns in rounds (benchmarks/timing.py).
+
+torch's buffers below 2 MiB, and those glibc hands out from its heap, stay in 4 KiB pages
+unless glibc advises its own memory to huge pages too, which it reads as the process starts:
+
+    .venv/bin/mpiexec -n 2 -genv GLIBC_TUNABLES glibc.malloc.hugetlb=1 .venv/bin/python \
+        -m benchmarks.huge_pages --json benchmarks/results/huge_pages_glibc_hugetlb.json
 """
 
 from __future__ import annotations
@@ -110,7 +116,8 @@ def table(groups: dict, args) -> list[dict]:
 
 def print_table(rows: list[dict], names: tuple[str, ...]) -> None:
     print(f"all_reduce, {COMM.size} ranks: median us in 4 KiB pages, then the speedup on huge "
-          f"pages throughout and on torch's own buffer (MiB of each in huge pages)")
+          f"pages throughout and on torch's own buffer (MiB in huge pages of the mappings "
+          f"under each: torch's is all of glibc's heap where the buffer lies in it)")
     print(f"{'MiB':>5} " + " ".join(f"{n:>22}" for n in names) + "  huge MiB: all, torch's")
     for row in rows:
         cells = [f"{row[f'{n}_small_median_us']:>8.0f} {row[f'{n}_huge_speedup_median']:.2f}x "
@@ -135,7 +142,9 @@ def main() -> None:
     rows = table(groups, args)
     if COMM.rank == 0:
         mode = huge_pages.system_mode()
-        print(f"transparent huge pages: {mode}")
+        # glibc reads it as the process starts: only the launch line can set it
+        tunables = os.environ.get("GLIBC_TUNABLES", "")
+        print(f"transparent huge pages: {mode}; GLIBC_TUNABLES={tunables}")
         print_table(rows, contenders(groups))
         if args.json:
             args.json.write_text(json.dumps({
@@ -143,6 +152,7 @@ def main() -> None:
                 "world_size": COMM.size,
                 "transparent_hugepage": mode,
                 "torch_takes_huge_pages": taken,
+                "glibc_tunables": tunables,
                 "mpi_library": MPI.Get_library_version().splitlines()[0].strip(),
                 "torch": torch.__version__,
                 "load_average": os.getloadavg(),
