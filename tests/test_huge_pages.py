@@ -90,3 +90,24 @@ def test_a_jobs_large_buffers_are_in_huge_pages_where_its_ranks_use_cma(monkeypa
         assert done.stdout == "True 1 True True 2.0\n", done.output
     else:
         assert done.stdout.split()[1:3] == ["None", "False"], done.output
+
+
+@pytest.mark.skipif(huge_pages.system_mode() not in ("madvise", "always"),
+                    reason="the kernel gives no transparent huge pages")
+def test_glibcs_tunable_puts_torchs_buffers_below_2_mib_in_huge_pages_too():
+    """The opt-in docs/launching.md gives: torch's own rule stops at 2 MiB, and a buffer glibc
+    serves from its heap (once a large one was freed) is in the heap's 4 KiB pages, unless
+    glibc, told as the process starts, advises its heap to huge pages."""
+    code = ("import torch\nfrom launcher.mpi import huge_pages\n"
+            "big = torch.ones(1 << 20)\ndel big\n"  # glibc serves what follows from its heap
+            "grads = torch.ones(1 << 18)\n"  # 1 MiB, DDP's first bucket
+            "print(huge_pages.backed_bytes(grads.data_ptr(), grads.nbytes) >= 2 << 20)")
+    environ = {**clean_environ(), huge_pages.VARIABLE: "1"}
+    environ.pop("GLIBC_TUNABLES", None)
+    seen = []
+    for tunables in ({}, {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}):
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              env={**environ, **tunables}, timeout=120)
+        assert done.returncode == 0, done.stderr
+        seen.append(done.stdout.strip())
+    assert seen == ["False", "True"]
