@@ -101,7 +101,8 @@ def test_glibcs_tunable_puts_torchs_buffers_below_2_mib_in_huge_pages_too():
     code = ("import torch\nfrom launcher.mpi import huge_pages\n"
             "big = torch.ones(1 << 20)\ndel big\n"  # glibc serves what follows from its heap
             "grads = torch.ones(1 << 18)\n"  # 1 MiB, DDP's first bucket
-            "print(huge_pages.backed_bytes(grads.data_ptr(), grads.nbytes) >= 2 << 20)")
+            "print(huge_pages.backed_bytes(grads.data_ptr(), grads.nbytes) >= 2 << 20)\n"
+            "print(huge_pages.line().split(')', 1)[1])")  # launcher.check's words after torch's
     environ = {**clean_environ(), huge_pages.VARIABLE: "1"}
     environ.pop("GLIBC_TUNABLES", None)
     seen = []
@@ -109,5 +110,6 @@ def test_glibcs_tunable_puts_torchs_buffers_below_2_mib_in_huge_pages_too():
         done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                               env={**environ, **tunables}, timeout=120)
         assert done.returncode == 0, done.stderr
-        seen.append(done.stdout.strip())
-    assert seen == ["False", "True"]
+        seen.append(done.stdout.splitlines())
+    assert seen == [["False", ""], ["True", "; smaller ones too: glibc's heap advised "
+                                           "(GLIBC_TUNABLES=glibc.malloc.hugetlb=1)"]]

@@ -14,7 +14,9 @@ The launcher sets it where it turns CMA on for the bundled MPIs, unless the user
 which a fragmented node may pay for), and not where the kernel gives none (``never``, or
 its rule unreadable). In the image it is set as Python starts (the ``.pth`` line), before
 anything allocates; a script of one's own that makes tensors before ``launcher.distributed()``
-in the venv keeps 4 KiB pages (``line`` says so).
+in the venv keeps 4 KiB pages (``line`` says so). Smaller buffers, and those glibc serves from
+its heap, get huge pages only with ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1`` in the launch
+line, an opt-in (``line`` says where it reached the rank).
 """
 
 from __future__ import annotations
@@ -69,13 +71,23 @@ def line(mode: str | None = None) -> str:
         return f"huge pages: unknown: {MODE_FILE} cannot be read"
     if taken():
         return (f"huge pages: on for torch's CPU buffers of 2 MiB and more ({VARIABLE}={value}, "
-                f"the kernel's rule: {mode})")
+                f"the kernel's rule: {mode}){_heap_too()}")
     if mode == "always":
         return f"huge pages: by the kernel's rule (always), torch not asked ({VARIABLE}={value})"
     if value == "1":
         return (f"huge pages: off: torch allocated before {VARIABLE}=1 was set; set it in the "
                 "job's environment")
     return f"huge pages: off ({VARIABLE}={value})" if value else "huge pages: off"
+
+
+def _heap_too() -> str:
+    """The opt-in for the smaller buffers too, said where it reached this rank: glibc reads it
+    as the process starts, so only the launch line sets it (docs/launching.md)."""
+    tunables = os.environ.get("GLIBC_TUNABLES", "")
+    if any(t.startswith("glibc.malloc.hugetlb=") and t != "glibc.malloc.hugetlb=0"
+           for t in tunables.split(":")):
+        return f"; smaller ones too: glibc's heap advised (GLIBC_TUNABLES={tunables})"
+    return ""
 
 
 def backed_bytes(start: int = 0, length: int = 0) -> int:
@@ -90,3 +102,4 @@ def backed_bytes(start: int = 0, length: int = 0) -> int:
         elif head == "AnonHugePages:" and overlaps:
             total += int(line.split()[1]) * 1024
     return total
+
