@@ -158,8 +158,10 @@ def huge_pages(result: dict, path: Path) -> Path:
     axes.set_xticks(sizes, [human(s) for s in sizes], rotation=30)
     axes.set_xlabel("all_reduce message (float32)")
     axes.set_ylabel("speedup over 4 KiB pages (median)")
+    tunables = result.get("glibc_tunables")  # absent from the runs before it was recorded
+    glibc = f", GLIBC_TUNABLES={tunables}" if tunables else ""
     axes.set_title(f"all_reduce on huge pages, {result['world_size']} ranks, one node "
-                   f"(kernel: {result['transparent_hugepage']})", fontsize="medium")
+                   f"(kernel: {result['transparent_hugepage']}{glibc})", fontsize="medium")
     axes.legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.01, 1))
     axes.grid(alpha=0.3)
     return _saved(plt, figure, path)
