@@ -55,7 +55,7 @@ class Job:
     """This rank's place in the job, and the collective helpers every training script needs."""
 
     env: JobEnv
-    #: the torch backend in use: "nccl", "gloo", "mpi" (native) or "mpi4py"
+    #: the torch backend in use: "nccl", "gloo", "mpi" (native), "mpi_cxx" (compiled) or "mpi4py"
     backend: str
     #: this rank's device: ``cuda:<index>`` with a GPU per local rank, else ``cpu``
     device: torch.device
