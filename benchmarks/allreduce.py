@@ -84,6 +84,10 @@ def parse_args() -> argparse.Namespace:
     parser = timing.parser(__doc__, rounds=8, seconds=0.8, max_calls=2000)
     parser.add_argument("--busy-calls", type=int, default=400,
                         help="calls of the all_reduce between rounds of compute")
+    parser.add_argument("--evict-mib", type=int, default=0,
+                        help="before each timed all_reduce of the sizes' table, write this many "
+                        "MiB of other memory on every rank, untimed, so that each call starts "
+                        "with the caches as compute leaves them (0: off)")
     return parser.parse_args()
 
 
@@ -202,8 +206,9 @@ def allreduce_table(groups, args, limits: dict[str, float],
                     solo: dist.ProcessGroup | None = None) -> list[dict]:
     link_GBps = limits["link_GBps"]
     rows = []
+    before = timing.evictor(args.evict_mib)
     for nbytes in SIZES:
-        stats = measure(allreduce_ops(nbytes, groups, solo), args)
+        stats = measure(allreduce_ops(nbytes, groups, solo), args, before)
         row = {"bytes": nbytes,
                "floor_us": bus_factor(COMM.size) * nbytes / link_GBps / 1e3}
         for name in contenders(groups):
@@ -280,6 +285,9 @@ def main() -> None:
     busy = busy_allreduce(groups, args, solo)
     hosts = COMM.gather(socket.gethostname())
     if COMM.rank == 0:
+        if args.evict_mib:
+            print(f"each all_reduce of the sizes' table after {args.evict_mib} MiB of other "
+                  "memory written on every rank (--evict-mib)")
         allreduce_report.print_table(rows, contenders(groups), limits)
         pingpong.print_latency(latency)
         allreduce_report.print_busy(busy, BUSY_BYTES)
@@ -293,6 +301,7 @@ def main() -> None:
                 "mpi4py_thread_level": MPI.Query_thread(),
                 "torch": torch.__version__,
                 "load_average": os.getloadavg(),
+                "evict_mib": args.evict_mib,
                 "allreduce": rows,
                 "pingpong_half_round_trip_us": {
                     n: {k: latency[n][k] / 2 * 1e6 for k in ("median", "best")}

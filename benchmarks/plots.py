@@ -66,8 +66,10 @@ def allreduce(result: dict, path: Path) -> Path:
     axes.set_xlabel("all_reduce message (float32)")
     axes.set_ylabel("bus bandwidth of the median call (GB/s)")
     nodes = result.get("nodes", 1)
+    evicted = result.get("evict_mib")  # absent from the runs before it was an option
+    cold = f", {evicted} MiB written before each call" if evicted else ""
     axes.set_title(f"all_reduce, {result['world_size']} ranks on {nodes} "
-                   f"node{'s' if nodes > 1 else ''}")
+                   f"node{'s' if nodes > 1 else ''}{cold}")
     axes.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1))
     axes.grid(alpha=0.3)
     return _saved(plt, figure, path)

@@ -29,10 +29,13 @@ def parser(doc: str, rounds: int, seconds: float, max_calls: int, per: str = "si
     return made
 
 
-def sample(op, calls: int) -> np.ndarray:
-    """Seconds of each of ``calls`` calls of ``op``, each the slowest rank's."""
+def sample(op, calls: int, before=None) -> np.ndarray:
+    """Seconds of each of ``calls`` calls of ``op``, each the slowest rank's; ``before``, where
+    given, runs untimed before each call's barrier."""
     times = np.empty(calls)
     for i in range(calls):
+        if before is not None:
+            before()
         COMM.Barrier()
         start = time.perf_counter()
         op()
@@ -49,18 +52,31 @@ def round_order(ops: dict, round_: int) -> list[str]:
     return order
 
 
-def measure(ops: dict, args) -> dict[str, dict[str, float]]:
+def measure(ops: dict, args, before=None) -> dict[str, dict[str, float]]:
     """Median and best seconds per call of each op, over interleaved rounds, the ops in a new
-    order each round (``round_order``)."""
+    order each round (``round_order``); ``before``: ``sample``'s."""
     calls = {}
     for name, op in ops.items():
         op()  # warm-up: connections, first touch of buffers
-        estimate = float(np.median(sample(op, 3)))
+        estimate = float(np.median(sample(op, 3, before)))
         calls[name] = max(2, min(args.max_calls, int(args.seconds / estimate)) // args.rounds)
     times = {name: [] for name in ops}
     for round_ in range(args.rounds):
         for name in round_order(ops, round_):
-            times[name].append(sample(ops[name], calls[name]))
+            times[name].append(sample(ops[name], calls[name], before))
     return {name: {"median": float(np.median(np.concatenate(t))),
                    "best": float(np.min(np.concatenate(t))),
                    "calls": int(sum(len(x) for x in t))} for name, t in times.items()}
+
+
+def evictor(mib: int):
+    """What ``benchmarks.allreduce --evict-mib`` runs before each call: one pass of writes over
+    ``mib`` MiB of this rank's own memory (None for 0). Twice the last-level cache (32 MiB on
+    this VM) evicts the buffers and MPI's and torch's code and data alike."""
+    if mib <= 0:
+        return None
+    other = np.zeros((mib << 20) // 4, np.float32)
+
+    def run():
+        np.add(other, 1.0, out=other)
+    return run

@@ -32,9 +32,35 @@ def _two_ranks(tmp_path, name: str, *args: str):
     return result, json.loads(out.read_text())
 
 
+SAMPLE_BEFORE = """
+import json, time
+from benchmarks import timing
+order = []
+def before():
+    order.append("before")
+    time.sleep(0.05)
+times = timing.sample(lambda: order.append("op"), 3, before)
+plain = timing.sample(lambda: order.append("plain"), 2)
+assert timing.evictor(0) is None
+timing.evictor(1)()
+print(json.dumps({"order": order, "times": [*times, *plain]}))
+"""
+
+
+def test_what_runs_before_each_timed_call_is_not_timed():
+    """``--evict-mib``'s writes (``timing.sample``'s ``before``) run before every call, outside
+    its time: a 50 ms ``before`` leaves each call's time far below 50 ms."""
+    result = run_mpi(1, ["-c", SAMPLE_BEFORE], timeout=60)
+    assert result.returncode == 0, result.output
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["order"] == ["before", "op"] * 3 + ["plain"] * 2
+    assert max(report["times"]) < 0.025, report
+
+
 def test_allreduce_benchmark_writes_every_table(tmp_path):
     result, report = _two_ranks(tmp_path, "allreduce", "--seconds", "0.02", "--rounds", "1",
-                                "--busy-calls", "20")
+                                "--busy-calls", "20", "--evict-mib", "1")
+    assert report["evict_mib"] == 1 and "after 1 MiB of other memory written" in result.output
     assert [row["bytes"] for row in report["allreduce"]] == [4 << 10 << 2 * i for i in range(8)]
     floor = report["floor"]
     assert 0 < floor["link_median_GBps"] <= floor["link_GBps"] and floor["memcpy_GBps"] > 0
