@@ -43,7 +43,8 @@ time minus raw mpi4py's at most the front end's plus 1 us. "In all" times that f
 the raw call after it as one, so that its effect on that call counts too (``_after_front_end``).
 Beside it, MPI's non-blocking all_reduce polled to its end ("MPI's part"): how much of that
 difference the backend cannot help, since it must call the non-blocking one to keep its
-timeouts.
+timeouts. ``--evict-mib 64`` times the sizes' table with every call, the front end's too,
+started cold, as after compute (benchmarks/README.md, "With the caches evicted").
 """
 
 from __future__ import annotations
