@@ -3,6 +3,7 @@
 pytest_plugins = [
     "tests.fixtures.shared",
     "tests.fixtures.mpi",
+    "tests.fixtures.training",
     "tests.fixtures.docker",
     "tests.fixtures.slurm",
     "tests.fixtures.cluster",

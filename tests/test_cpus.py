@@ -22,8 +22,8 @@ from launcher.placement.cpus import (
 )
 from launcher.placement.gpu_numa import local_gpu_nodes, pci_address
 from tests.fixtures.mpi import run_mpi
+from tests.fixtures.training import train
 from tests.test_check import _report
-from tests.test_train import train
 
 #: two sockets of four CPUs, numbered in blocks, and the same interleaved (as many BIOSes do)
 BLOCKS = {0: frozenset(range(4)), 1: frozenset(range(4, 8))}

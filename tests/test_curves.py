@@ -16,7 +16,7 @@ from launcher.core.curves import PREFIX, Curves, read_curves
 from launcher.core.errors import LaunchError
 from launcher.core.event_file import Event
 from tests.fixtures.mpi import REPO_ROOT, clean_environ
-from tests.test_train import metrics, preempt_rank_1, start_training, train
+from tests.fixtures.training import metrics, preempt_rank_1, start_training, train
 
 
 def test_crc32c_and_its_mask_match_the_published_values():

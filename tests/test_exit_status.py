@@ -2,7 +2,7 @@
 the lost nodes' names beside it.
 
 A lost peer's file is checked in tests/test_peer_lost.py, the script's reading of it in
-tests/test_commands.py.
+tests/test_batch_script.py.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from launcher.core import run_files
 from launcher.core.errors import EXIT_PEER_LOST, EXIT_PREEMPTED, PeerLost
 from launcher.faults import exit_status
 from tests.fixtures.mpi import REPO_ROOT, clean_environ
-from tests.test_train import RESUME_FLAGS, _wait_for_step
+from tests.fixtures.training import RESUME_FLAGS, wait_for_step
 
 
 def _rank_1(root: int) -> int:
@@ -47,7 +47,7 @@ def test_preemption_under_torchrun_is_written_where_torchrun_says_1(tmp_path):
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_environ(),
         cwd=REPO_ROOT, start_new_session=True)
     try:
-        _wait_for_step(process, tmp_path, 3, timeout=180)
+        wait_for_step(process, tmp_path, 3, timeout=180)
         os.kill(_rank_1(process.pid), signal.SIGUSR1)
         _, stderr = process.communicate(timeout=120)
     finally:

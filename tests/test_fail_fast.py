@@ -133,11 +133,6 @@ def _check(result: subprocess.CompletedProcess, launcher_ended: float, fault: Fa
     assert not list(checkpoints.glob("*")) if checkpoints.exists() else True, output
 
 
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("data")
-
-
 LAUNCHERS = [
     pytest.param("mpiexec", "gloo", marks=pytest.mark.mpi),
     pytest.param("mpiexec", "mpi", marks=pytest.mark.mpi),

@@ -16,7 +16,7 @@ import pytest
 from launcher.api import checkpoint
 from launcher.core.errors import EXIT_INTERRUPTED
 from launcher.faults.preemption import INTERRUPT_GRACE_S
-from tests.test_train import _rank_pids, _wait_for_step, start_training
+from tests.fixtures.training import rank_pids, start_training, wait_for_step
 
 pytestmark = pytest.mark.mpi
 
@@ -25,19 +25,14 @@ pytestmark = pytest.mark.mpi
 INTERRUPT_ENDS_WITHIN_S = 10
 
 
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("data")
-
-
 def _ctrl_c(process: subprocess.Popen, run_dir, stop_rank_1: bool = False
             ) -> tuple[str, float]:
     """Ctrl-C to the launcher's process group a few steps in (rank 1 stopped first when asked):
     its stderr and the seconds from the signal to the launcher's end."""
     try:
-        _wait_for_step(process, run_dir, 5, timeout=180)
+        wait_for_step(process, run_dir, 5, timeout=180)
         if stop_rank_1:
-            os.kill(_rank_pids(process.pid)[1], signal.SIGSTOP)
+            os.kill(rank_pids(process.pid)[1], signal.SIGSTOP)
         sent = time.monotonic()
         os.killpg(process.pid, signal.SIGINT)
         _, stderr = process.communicate(timeout=60)

@@ -14,7 +14,7 @@ import pytest
 
 from launcher.core import rank_output
 from tests.fixtures.mpi import run_mpi
-from tests.test_train import train
+from tests.fixtures.training import train
 
 
 def test_rank_0_passes_through_and_the_file_gets_everything(tmp_path, monkeypatch):

@@ -19,7 +19,7 @@ import pytest
 
 from launcher.api import checkpoint
 from tests.fixtures.mpi import REPO_ROOT, MpiResult, clean_environ, run_mpi
-from tests.test_train import hashes, metrics, preempt_rank_1, start_training
+from tests.fixtures.training import metrics, preempt_rank_1, start_training, the_hash
 
 #: 1438 training digits, 48 per step (divides by 2 and 3): 29 steps per epoch, 290 in all
 FLAGS = ["--global-batch-size", "48", "--log-every", "1", "--checkpoint-every", "0",
@@ -42,18 +42,6 @@ def train(launcher: str, ranks: int, run_dir: Path, data_dir: Path, *flags: str)
         result = MpiResult(done.returncode, done.stdout, done.stderr)
     assert result.returncode == 0 and not result.timed_out, result.output
     return result
-
-
-def one_hash(result: MpiResult, ranks: int) -> str:
-    found = hashes(result)
-    assert sorted(found) == list(range(ranks)), result.output
-    assert len(set(found.values())) == 1, found
-    return found[0]
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("data")
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +81,7 @@ def test_resume_on_another_world_size(tmp_path, data_dir, uninterrupted, launche
                 "continues by global sample; not bit-identical to an uninterrupted "
                 f"{before}-rank run") in resumed.stdout, resumed.output
         assert f"resuming from {moved} (step {stopped}," in resumed.stdout, resumed.output
-        digests.append(one_hash(resumed, after))
+        digests.append(the_hash(resumed, after))
         steps = {r["step"]: r for r in metrics(run_dir, "step")}
         whole = {r["step"]: r for r in metrics(uninterrupted, "step")}
         # one record per step, before and after the resume: it continued at the next step
