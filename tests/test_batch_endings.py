@@ -19,6 +19,7 @@ from ddp_tasks.launch_spec import Launch
 from launcher.core.errors import EXIT_HUNG, LaunchError
 from tests.fixtures.golden import golden
 from tests.fixtures.requirements import missing
+from tests.fixtures.tasks_cli import on_path, stub_dir
 
 
 def attempts(run_dir: Path) -> list[tuple[str, str]]:
@@ -39,21 +40,17 @@ LOST = 'mkdir -p run; printf "%s\\n" $LOST > run/lost-nodes; echo "3 lost" > run
 def _run_stubbed(tmp_path: Path, batch: Batch, srun: str, *, show: str = "(null)",
                  log: str = "", lost: str = "") -> tuple[subprocess.CompletedProcess, list[str]]:
     """Run the script with stubs; its result and every scontrol call (one line each)."""
-    stubs = tmp_path / "stubs"
-    stubs.mkdir()
-    for name, body in {
+    stubs = stub_dir(tmp_path, {
         "srun": f'echo "$*" >> "$STUB_LOG/srun"\n{srun}',
         "scontrol": 'echo "$*" >> "$STUB_LOG/scontrol"\n'
                     '[ "$1" != show ] || echo "JobId=4242 ExcNodeList=$SHOW Features=(null)"',
-    }.items():
-        (stubs / name).write_text(f"#!/bin/sh\n{body}\n")
-        (stubs / name).chmod(0o755)
+    })
     if log:
         (tmp_path / "run").mkdir(exist_ok=True)
         (tmp_path / "run" / "attempts.log").write_text(log)
     script = tmp_path / "job.sh"
     script.write_text(batch_script(STUBBED, batch))
-    env = {**os.environ, "PATH": f"{stubs}{os.pathsep}{os.environ['PATH']}",
+    env = {**os.environ, "PATH": on_path(stubs),
            "STUB_LOG": str(tmp_path), "SHOW": show, "LOST": lost, "SLURM_JOB_ID": "4242",
            "SLURM_JOB_NODELIST": "n[0-1]", "SLURM_JOB_NUM_NODES": "2"}
     result = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True,

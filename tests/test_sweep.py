@@ -21,7 +21,7 @@ from ddp_tasks.runs import draw, summary_table
 from ddp_tasks.sweep import Sweep, config_name, parse_config_name, parse_sweep
 from launcher.core.errors import LaunchError
 from tests.fixtures.golden import GOLDEN, golden
-from tests.test_commands import invoke
+from tests.fixtures.tasks_cli import invoke, on_path, stub_dir
 
 SWEEP_FLAGS = ["--procs-per-node", "2", "--sweep", "lr=0.1,0.05,0.02",
                "--sweep", "global-batch-size=64,128", "--throttle", "2",
@@ -127,14 +127,10 @@ exit "$SRUN_EXIT"
 
 def _run_task(tmp_path: Path, task: str, srun_exit: int = 0, written: str = "",
               lost: str = "") -> subprocess.CompletedProcess:
-    stubs = tmp_path / "stubs"
-    stubs.mkdir(exist_ok=True)
-    for name, body in {"srun": SRUN, "scontrol": 'echo "$*" >> "$STUB_LOG/scontrol"'}.items():
-        (stubs / name).write_text(f"#!/bin/sh\n{body}")
-        (stubs / name).chmod(0o755)
+    stubs = stub_dir(tmp_path, {"srun": SRUN, "scontrol": 'echo "$*" >> "$STUB_LOG/scontrol"'})
     script = tmp_path / "job.sh"
     script.write_text(batch_script(SWEEP_LAUNCH, Batch(), SWEEP))
-    env = {**os.environ, "PATH": f"{stubs}{os.pathsep}{os.environ['PATH']}",
+    env = {**os.environ, "PATH": on_path(stubs),
            "STUB_LOG": str(tmp_path), "SLURM_JOB_ID": "4300", "SLURM_ARRAY_JOB_ID": "4242",
            "SLURM_ARRAY_TASK_ID": task, "SLURM_JOB_NODELIST": "n0",
            "SRUN_EXIT": str(srun_exit), "WRITTEN": written, "LOST": lost}

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.fixtures.mpi import REPO_ROOT, json_objects
-from tests.test_commands import invoke
+from tests.fixtures.tasks_cli import invoke
 from tests.test_requeue import shm_unchanged  # noqa: F401 (a fixture)
 
 LRS = ("0.1", "0.05", "0.02")
