@@ -22,7 +22,7 @@ import pytest
 
 from launcher.core.errors import EXIT_PEER_LOST
 from launcher.placement.ports import free_port
-from tests.fixtures.mpi import REPO_ROOT, clean_environ, mpiexec_path
+from tests.fixtures.mpi import REPO_ROOT, clean_environ, end_job, mpiexec_path
 from tests.test_stuck_rank import _pid_of_rank, _train, _wait_until_training
 
 WORLD, PER_NODE = 16, 4
@@ -103,10 +103,4 @@ def test_mpi_survivor_names_the_stopped_rank_of_16(tmp_path, monkeypatch):
         assert time.monotonic() - stopped_at < TIMEOUT_S + GRACE_S, stderr
         assert _named(stderr) == {victim}, stderr
     finally:
-        if stopped is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(stopped, signal.SIGCONT)
-                os.kill(stopped, signal.SIGKILL)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-        process.communicate()
+        end_job(process, stopped)

@@ -22,7 +22,7 @@ import pytest
 
 from launcher.core.errors import EXIT_PEER_LOST
 from launcher.placement.ports import free_port
-from tests.fixtures.mpi import REPO_ROOT, clean_environ, mpiexec_path
+from tests.fixtures.mpi import REPO_ROOT, clean_environ, end_job, mpiexec_path
 
 WORLD = 3
 TIMEOUT_S = 15
@@ -114,13 +114,7 @@ def test_mpi_backend_survivor_names_the_stopped_rank(tmp_path, victim):
         _assert_named(stderr, survivor, victim)
         assert f"rank {survivor} (" not in stderr, stderr
     finally:
-        if stopped is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(stopped, signal.SIGCONT)
-                os.kill(stopped, signal.SIGKILL)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-        process.communicate()
+        end_job(process, stopped)
     time.sleep(1)
     assert _orphans(_shm() - shm_before) == set(), "shared memory left behind"
 
