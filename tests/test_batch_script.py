@@ -19,8 +19,9 @@ from ddp_tasks.launch_spec import Launch
 from launcher.core import run_files
 from launcher.core.errors import EXIT_PREEMPTED, EXIT_USER_ERROR, LaunchError
 from tests.fixtures.golden import GOLDEN, golden
+from tests.fixtures.mpi import REPO_ROOT
 from tests.fixtures.requirements import missing
-from tests.fixtures.tasks_cli import INVOKE, ROOT, invoke, on_path, stub_dir
+from tests.fixtures.tasks_cli import INVOKE, invoke, on_path, stub_dir
 
 SBATCH_FLAGS = ["--nodes", "2", "--procs-per-node", "4", "--gpus-per-node", "4",
                 "--cpus-per-task", "8", "--signal", "USR2", "--time", "02:00:00",
@@ -250,5 +251,5 @@ def test_sbatch_help_offers_only_the_runtimes_srun_starts(tmp_path):
 def test_the_written_batch_script_is_not_tracked():
     """`invoke sbatch` in a clone writes JOB_NAME.sbatch beside tasks.py: git ignores it."""
     for name in ("ddp.sbatch", "demo.sbatch"):
-        result = subprocess.run(["git", "check-ignore", "-q", name], cwd=ROOT)
+        result = subprocess.run(["git", "check-ignore", "-q", name], cwd=REPO_ROOT)
         assert result.returncode == 0, f"{name} is not in .gitignore"

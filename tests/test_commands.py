@@ -19,8 +19,8 @@ from ddp_tasks.commands import launch_segments, parse_env, program_env, render, 
 from ddp_tasks.launch_spec import Launch
 from launcher.core.errors import EXIT_PREEMPTED, EXIT_USER_ERROR, LaunchError
 from tests.fixtures.golden import GOLDEN, golden
-from tests.fixtures.mpi import mpiexec_path
-from tests.fixtures.tasks_cli import INVOKE, ROOT, invoke, on_path
+from tests.fixtures.mpi import REPO_ROOT, mpiexec_path
+from tests.fixtures.tasks_cli import INVOKE, invoke, on_path
 
 RUN_CASES = {
     "run_srun_apptainer": (
@@ -115,7 +115,7 @@ def test_run_cli_dry_run(name):
 @pytest.mark.parametrize("name", [*(f"{name}.txt" for name in RUN_CASES), "sbatch.sh"])
 def test_docs_show_the_golden_outputs(name):
     """docs/launching.md quotes every golden file: a changed command needs changed docs."""
-    assert (GOLDEN / name).read_text().strip() in (ROOT / "docs" / "launching.md").read_text()
+    assert (GOLDEN / name).read_text().strip() in (REPO_ROOT / "docs" / "launching.md").read_text()
 
 
 @pytest.mark.mpi
@@ -294,7 +294,7 @@ NO_VENV_PATH = "/usr/local/bin:/usr/bin:/bin"
 def test_run_runtime_none_uses_the_venvs_mpiexec_and_python(tmp_path):
     mpiexec_path()
     result = invoke("run", "--runtime", "none", "--procs-per-node", "2", "--module",
-                    "launcher.env", cwd=tmp_path, PATH=NO_VENV_PATH, PYTHONPATH=str(ROOT))
+                    "launcher.env", cwd=tmp_path, PATH=NO_VENV_PATH, PYTHONPATH=str(REPO_ROOT))
     assert result.returncode == 0, result.stderr
     assert sorted(re.findall(r"^rank +(\d)$", result.stdout, re.M)) == ["0", "1"], result.stdout
 

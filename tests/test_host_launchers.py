@@ -38,6 +38,7 @@ from tests.fixtures.host_mpi import (
     OPENMPI_VERSION,
 )
 from tests.fixtures.mpi import REPO_ROOT, clean_environ, mpiexec_path
+from tests.fixtures.tasks_cli import on_path
 
 pytestmark = [pytest.mark.runtime, pytest.mark.timeout(COLD_BUILD_TIMEOUT)]
 
@@ -225,7 +226,7 @@ def _invoke_run(*flags: str) -> list[str]:
 @pytest.mark.mpi
 def test_invoke_run_charliecloud_with_mpiexec(ch_image, tmp_path):
     """``invoke run --runtime charliecloud`` runs what it prints (the venv's bin on PATH)."""
-    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
+    path = on_path(Path(sys.executable).parent)
     result = run_host(_invoke_run("--image", str(ch_image), "--bind", f"{tmp_path}:{SCRATCH}",
                                   "--args", " ".join(TRAIN)), {"PATH": path})
     equal_hashes(result)

@@ -24,6 +24,7 @@ from ddp_tasks.launch_spec import Launch
 from tests.fixtures.etc_hosts import loopback_names
 from tests.fixtures.left_behind import mapped_by_anyone
 from tests.fixtures.mpi import REPO_ROOT, json_objects
+from tests.fixtures.tasks_cli import on_path
 from tests.test_batch_endings import attempts
 
 #: small and quick, and still >= 0.95 test accuracy (epoch 3 reaches ~0.97); checkpoints
@@ -56,7 +57,7 @@ def _submit(cluster, tmp_path: Path, launch: Launch, batch: Batch) -> int:
                           text=True)
     assert lint.returncode == 0, lint.stdout
     # `python` in the step is the venv's, as it would be the image's
-    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
+    path = on_path(Path(sys.executable).parent)
     # The three "nodes" share one host, so the MPICH wheel's UCX reaches a peer on another
     # node by CMA, which no two real nodes can: a survivor mid-transfer with a killed peer
     # then dies in UCX's fatal error (process_vm_readv: No such process, SIGABRT) before it

@@ -27,6 +27,7 @@ from tests.fixtures.docker import COLD_BUILD_TIMEOUT
 from tests.fixtures.golden import golden
 from tests.fixtures.mpi import mpiexec_path
 from tests.fixtures.sif import build_sif
+from tests.fixtures.tasks_cli import on_path
 from tests.test_host_launchers import (
     COMPILED,
     MPICH,
@@ -127,7 +128,7 @@ def test_the_batch_mount_outlives_the_preemption_signal_and_leaves_nothing(tmp_p
                         *([step.format("TERM"), 'wait "$serve"', 'ls -d "$sif_mount"']
                           if step_ends else []), ""])
     done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+                          env={**os.environ, "PATH": on_path(bin_dir),
                                "SLURM_JOB_ID": "42", "SLURM_JOB_NUM_NODES": "1"})
     report = done.stdout + done.stderr
     assert done.stdout.count("from the image") == 2, report
@@ -255,7 +256,7 @@ def test_hydra_mpiexec_starts_ranks_from_the_sif(sif_root, tmp_path, dockerd, si
 def test_invoke_run_charliecloud_runs_straight_from_the_sif(cpu_sif, tmp_path):
     """``invoke run --runtime charliecloud --image ddp-cpu.sif``: mounted, run, unmounted."""
     _, _, digest = sif_mount.partition_of(cpu_sif.path)
-    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
+    path = on_path(Path(sys.executable).parent)
     result = run_host([*INVOKE, "-r", str(ic.ROOT), "run", "--runtime", "charliecloud",
                        "--procs-per-node", "2", "--image", str(cpu_sif.path), "--bind",
                        f"{tmp_path}:{SCRATCH}", "--args", " ".join(TRAIN)], {"PATH": path})

@@ -8,7 +8,6 @@ task): a script that requeued ``$SLURM_JOB_ID`` there would requeue every task o
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -18,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.fixtures.mpi import REPO_ROOT, json_objects
-from tests.fixtures.tasks_cli import invoke
+from tests.fixtures.tasks_cli import invoke, on_path
 from tests.test_requeue import shm_unchanged  # noqa: F401 (a fixture)
 
 LRS = ("0.1", "0.05", "0.02")
@@ -50,7 +49,7 @@ def _wait_for_checkpoint(cluster, run_dir: Path, array_id: int, task: int) -> No
 @pytest.mark.slurm
 def test_a_sweep_task_preempted_is_requeued_alone(slurm_cluster, tmp_path, shm_unchanged):  # noqa: F811
     root = tmp_path / "sweep"
-    env = {"PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+    env = {"PATH": on_path(Path(sys.executable).parent),
            "PYTHONPATH": str(REPO_ROOT), "SLURM_CONF": str(slurm_cluster.conf)}
     result = invoke("sbatch", "--submit", "--runtime", "none", "--procs-per-node", "2",
                     "--sweep", f"lr={','.join(LRS)}", "--throttle", "3", "--job-name", "sweep",
