@@ -7,7 +7,8 @@ also run across nodes by benchmarks/cluster.py) as bus bandwidth against message
 link's floor; a weak-scaling result (benchmarks/train_scaling.py, cluster.py) as bars; a
 binding result (benchmarks/binding.py) as bars per rank count; the recorder's share of a step
 (benchmarks/recorder_instructions.py) as bars against issue 36's 2 %; huge pages' speedup
-(benchmarks/huge_pages.py) as lines against the size.
+(benchmarks/huge_pages.py) as lines against the size; what each layer of the compiled backend
+adds to raw MPI (benchmarks/allreduce_layers.py) as lines against the size.
 """
 
 from __future__ import annotations
@@ -169,6 +170,29 @@ def huge_pages(result: dict, path: Path) -> Path:
     return _saved(plt, figure, path)
 
 
+def layers(result: dict, path: Path) -> Path:
+    """Each layer's median time minus raw MPI's against the size (benchmarks/allreduce_layers)."""
+    plt = _pyplot()
+    rows = result["layers"]
+    sizes = [row["bytes"] for row in rows]
+    names = [k.removesuffix("_minus_raw_median_us") for k in rows[0]
+             if k.endswith("_minus_raw_median_us") and not k.startswith("raw_minus")]
+    figure, axes = plt.subplots(figsize=(7.5, 3.8))
+    for name in names:
+        axes.plot(sizes, [row[f"{name}_minus_raw_median_us"] for row in rows], marker="o",
+                  label=name)
+    axes.axhline(0.0, color="black", linewidth=0.8)
+    axes.set_xscale("log", base=2)
+    axes.set_xticks(sizes, [human(s) for s in sizes], rotation=30)
+    axes.set_xlabel("all_reduce message (float32)")
+    axes.set_ylabel("time minus raw MPI's, us (median)")
+    axes.set_title(f"the compiled backend's layers, {result['world_size']} ranks",
+                   fontsize="medium")
+    axes.legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.01, 1))
+    axes.grid(alpha=0.3)
+    return _saved(plt, figure, path)
+
+
 def if_possible(path: Path) -> None:
     """The PNG beside the JSON where matplotlib is installed (the dev venv; not the image, where
     benchmarks/cluster.py draws it on the host instead)."""
@@ -183,7 +207,9 @@ def main(paths: list[str]) -> int:
     for name in paths:
         path = Path(name)
         result = json.loads(path.read_text())
-        if "transparent_hugepage" in result:
+        if "layers" in result:
+            print(f"wrote {layers(result, path)}")
+        elif "transparent_hugepage" in result:
             print(f"wrote {huge_pages(result, path)}")
         elif "allreduce" in result and isinstance(result["allreduce"], list):
             print(f"wrote {allreduce(result, path)}")

@@ -137,6 +137,22 @@ def test_huge_pages_benchmark_puts_each_kind_of_page_beside_4_kib_ones(tmp_path)
     assert (tmp_path / "huge_pages.png").read_bytes().startswith(b"\x89PNG")
 
 
+@pytest.mark.skipif(not mpi_cxx.built_path().exists(), reason="the compiled backend is not "
+                    "built: .venv/bin/python -m launcher.mpi.cxx")
+def test_allreduce_layers_puts_each_layer_beside_raw_mpi(tmp_path):
+    result, report = _two_ranks(tmp_path, "allreduce_layers", "--seconds", "0.05", "--rounds",
+                                "1", "--sizes", "16,64")
+    assert [row["bytes"] for row in report["layers"]] == [16 << 10, 64 << 10]
+    for row in report["layers"]:
+        assert row["raw_minus_raw_median_us"] == 0
+        for name in ("nonblocking", "backend", "process_group", "dist", "raw_after_front_end"):
+            assert row[f"{name}_median_us"] > 0
+            assert row[f"{name}_minus_raw_median_us"] == pytest.approx(
+                row[f"{name}_median_us"] - row["raw_median_us"])
+    assert "process_group" in result.stdout and "raw_after_front_end" in result.stdout
+    assert (tmp_path / "allreduce_layers.png").read_bytes().startswith(b"\x89PNG")
+
+
 def test_train_scaling_benchmark_splits_weak_scaling_and_measures_the_broadcast(tmp_path):
     """One round for real; the rounds and their medians: the next test."""
     out = tmp_path / "train_scaling.json"
