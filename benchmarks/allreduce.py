@@ -36,13 +36,12 @@ time over the ranks: no clocks need to agree across nodes. It shows what a backe
 data on helper threads (gloo) pays when the ranks keep their cores busy, which the idle
 ping-pong above cannot show.
 
-Where the compiled backend is built, each size also times ``dist.all_reduce`` on each rank's
-group of one on that backend ("front end": torch's Python wrapper and dispatch, the backend's
-call and an MPI call with no peer), the yardstick of issue 37's goal: the compiled backend's
-time minus raw mpi4py's at most the front end's plus 1 us. "In all" times that front end and
-the raw call after it as one, so that its effect on that call counts too (``_after_front_end``).
-Beside it, MPI's non-blocking all_reduce polled to its end ("MPI's part"): how much of that
-difference the backend cannot help, since it must call the non-blocking one to keep its
+Where the compiled backend is built, each size also weighs issue 37's goal
+(``benchmarks/front_end.py``): mpi_cxx - raw, as the median of differences of calls that take
+turns call by call (``timing.paired``: this VM changes speed by 4x from second to second),
+against torch's front end on each rank's group of one, timed alone and in those turns; and
+MPI's non-blocking all_reduce polled to its end ("MPI's part"): how much of mpi_cxx - raw the
+backend cannot help, since it must call the non-blocking one to keep its
 timeouts. ``--evict-mib 64`` times the sizes' table with every call, the front end's too,
 started cold, as after compute (benchmarks/README.md, "With the caches evicted").
 """
@@ -62,7 +61,7 @@ import torch
 import torch.distributed as dist
 from mpi4py import MPI
 
-from benchmarks import allreduce_report, pingpong, plots, rank_side, timing
+from benchmarks import allreduce_report, front_end, pingpong, plots, rank_side, timing
 from benchmarks.floor import floor
 from benchmarks.timing import COMM, measure
 from benchmarks.units import bus_factor
@@ -115,14 +114,6 @@ def init_groups() -> dict[str, dist.ProcessGroup]:
     return groups
 
 
-def solo_group(groups: dict) -> dist.ProcessGroup | None:
-    """This rank's group of one on the compiled backend (None where it is not built)."""
-    if mpi_cxx.BACKEND_NAME not in groups:
-        return None
-    mine, _ = dist.new_subgroups(group_size=1, backend=mpi_cxx.BACKEND_NAME)
-    return mine
-
-
 def contenders(groups: dict) -> tuple[str, ...]:
     """The backends init_groups made (mpi_cxx only where it is built), then raw."""
     return (*groups, "raw")
@@ -144,63 +135,8 @@ def allreduce_ops(nbytes: int, groups: dict, solo: dist.ProcessGroup | None = No
     def raw_call():
         COMM.Allreduce(MPI.IN_PLACE, raw, op=MPI.SUM)
 
-    extra = {} if solo is None else {"front_end": over(solo),
-                                     "raw_after_front_end": _after_front_end(solo, raw_call),
-                                     "raw_nonblocking": _nonblocking(raw)}
+    extra = {} if solo is None else front_end.yardsticks(solo, raw, raw_call)
     return {**{name: over(g) for name, g in groups.items()}, "raw": raw_call, **extra}
-
-
-def _after_front_end(solo: dist.ProcessGroup, raw_call):
-    """torch's front end on one float (``dist.all_reduce`` on the group of one), then the raw
-    MPI call on the shared buffer, timed as one: what the front end costs a call, its own time
-    and its effect on the MPI call after it. Raw MPI right after it took longer by far more
-    than the front end's own 4 us (2 ranks, this VM, 2026-12-03: +17 us at 1 MiB, +35 at 4 MiB;
-    perf showed more time in the kernel's walk of the peer's page tables), which the front end
-    timed alone cannot show."""
-    front_end = one_float_call(solo)
-
-    def run():
-        front_end()
-        raw_call()
-    return run
-
-
-def one_float_call(solo: dist.ProcessGroup):
-    """``dist.all_reduce`` of one float on ``solo``: torch's front end and the backend's call
-    with no data and no peer."""
-    one = torch.zeros(1)
-    return lambda: dist.all_reduce(one, group=solo)
-
-
-def _nonblocking(buf: np.ndarray):
-    """MPI's non-blocking all_reduce polled with MPI_Test to its end, as the compiled backend
-    drives it: the part of mpi_cxx - raw that is MPI's own (its non-blocking algorithm), not
-    the backend's. mpi4py's few hundred ns per Test count in it too."""
-
-    def run():
-        request = COMM.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
-        while not request.Test():
-            pass
-    return run
-
-
-def front_end_goal(row: dict, stats: dict) -> None:
-    """Issue 37's small-message goal, per statistic: mpi_cxx - raw <= front end + 1 us."""
-    for stat in ("median", "best"):
-        row[f"front_end_{stat}_us"] = stats["front_end"][stat] * 1e6
-        row[f"mpi_cxx_minus_raw_{stat}_us"] = (stats["mpi_cxx"][stat]
-                                               - stats["raw"][stat]) * 1e6
-        row[f"front_end_goal_met_{stat}"] = (row[f"mpi_cxx_minus_raw_{stat}_us"]
-                                             <= row[f"front_end_{stat}_us"] + 1.0)
-        # the yardstick counted with its effect on the MPI call after it (_after_front_end)
-        row[f"raw_after_front_end_{stat}_us"] = stats["raw_after_front_end"][stat] * 1e6
-        row[f"front_end_total_{stat}_us"] = (stats["raw_after_front_end"][stat]
-                                             - stats["raw"][stat]) * 1e6
-        row[f"front_end_total_goal_met_{stat}"] = (row[f"mpi_cxx_minus_raw_{stat}_us"]
-                                                   <= row[f"front_end_total_{stat}_us"] + 1.0)
-        row[f"raw_nonblocking_{stat}_us"] = stats["raw_nonblocking"][stat] * 1e6
-        row[f"nonblocking_minus_raw_{stat}_us"] = (stats["raw_nonblocking"][stat]
-                                                   - stats["raw"][stat]) * 1e6
 
 
 def allreduce_table(groups, args, limits: dict[str, float],
@@ -209,7 +145,8 @@ def allreduce_table(groups, args, limits: dict[str, float],
     rows = []
     before = timing.evictor(args.evict_mib)
     for nbytes in SIZES:
-        stats = measure(allreduce_ops(nbytes, groups, solo), args, before)
+        ops = allreduce_ops(nbytes, groups, solo)
+        stats = measure({name: ops[name] for name in contenders(groups)}, args, before)
         row = {"bytes": nbytes,
                "floor_us": bus_factor(COMM.size) * nbytes / link_GBps / 1e3}
         for name in contenders(groups):
@@ -231,7 +168,7 @@ def allreduce_table(groups, args, limits: dict[str, float],
                 row[f"mpi_cxx_vs_raw_{stat}"] = stats["raw"][stat] / cxx
                 row[f"mpi_cxx_vs_mpi4py_{stat}"] = mine / cxx  # > 1: faster than Python's
         if solo is not None:
-            front_end_goal(row, stats)
+            row.update(front_end.goal(ops, args, before))
         rows.append(row)
     return rows
 
@@ -253,7 +190,7 @@ def busy_allreduce(groups, args, solo=None) -> dict[str, dict[str, float]]:
         ops["raw_self"] = lambda: MPI.COMM_SELF.Allreduce(MPI.IN_PLACE, alone, op=MPI.SUM)
         if "mpi_cxx" in ops:
             ops["mpi_cxx_warmed"] = ops["mpi_cxx"]
-            before["mpi_cxx_warmed"] = one_float_call(solo)
+            before["mpi_cxx_warmed"] = front_end.one_float_call(solo)
     result = {}
     for name, op in ops.items():
         times = np.empty(args.busy_calls)
@@ -278,7 +215,7 @@ def main() -> None:
     args = parse_args()
     rank_side.end_job_on_error()
     groups = init_groups()
-    solo = solo_group(groups)
+    solo = front_end.solo_group(groups)
     limits = floor(args)
     rows = allreduce_table(groups, args, limits, solo)
     latency = pingpong.pingpong(pingpong.pingpong_ops(groups),
@@ -307,6 +244,7 @@ def main() -> None:
                 "pingpong_half_round_trip_us": {
                     n: {k: latency[n][k] / 2 * 1e6 for k in ("median", "best")}
                     for n in latency},
+                "pingpong_vs_raw": {n: latency[n]["vs_raw"] for n in latency},
                 "busy_allreduce_bytes": BUSY_BYTES,
                 "busy_allreduce_after_last_arrival_us": {
                     n: {k: v * 1e6 for k, v in stats.items()} for n, stats in busy.items()},

@@ -171,7 +171,8 @@ def huge_pages(result: dict, path: Path) -> Path:
 
 
 def layers(result: dict, path: Path) -> Path:
-    """Each layer's median time minus raw MPI's against the size (benchmarks/allreduce_layers)."""
+    """Each layer's median time minus raw MPI's against the size, and torch's front end's own
+    time, warm and after an MPI call, dashed (benchmarks/allreduce_layers)."""
     plt = _pyplot()
     rows = result["layers"]
     sizes = [row["bytes"] for row in rows]
@@ -181,6 +182,10 @@ def layers(result: dict, path: Path) -> Path:
     for name in names:
         axes.plot(sizes, [row[f"{name}_minus_raw_median_us"] for row in rows], marker="o",
                   label=name)
+    for name in ("front_end", "front_end_in_turn"):
+        if f"{name}_median_us" in rows[0]:  # runs before 2026-12-06 have no yardstick
+            axes.plot(sizes, [row[f"{name}_median_us"] for row in rows], marker="x",
+                      linestyle="--", label=f"{name} (its own time)")
     axes.axhline(0.0, color="black", linewidth=0.8)
     axes.set_xscale("log", base=2)
     axes.set_xticks(sizes, [human(s) for s in sizes], rotation=30)
