@@ -69,15 +69,15 @@ def measure(ops: dict, args, before=None) -> dict[str, dict[str, float]]:
                    "calls": int(sum(len(x) for x in t))} for name, t in times.items()}
 
 
-def paired(ops: dict, args, base: str = "raw", before=None) -> dict[str, dict[str, float]]:
-    """Each op's median and best seconds, and its median difference to ``base``'s call of the
-    same turn (``minus_base``): the ops take turns call by call, in a new order each turn
-    (``round_order``), so that the calls of one turn lie within a few milliseconds and see the
-    machine alike. On a VM whose speed changes by 4x from one second to the next (1 MiB raw
-    all_reduce 135 us, then 550-700, then 135 again; benchmarks/README.md), the difference of
-    two medians over rounds is as wide as that; the median of the turns' differences is not.
-    Each op runs after another op of the turn, never after itself: it meets the caches as
-    those leave them."""
+def paired(ops: dict, args, base: str = "raw", before=None) -> dict[str, dict]:
+    """Each op's median and best seconds, its median difference to ``base``'s call of the same
+    turn (``minus_base``) and its seconds turn by turn (``times``, for other pairs). The ops
+    take turns call by call, in a new order each turn (``round_order``), so that the calls of
+    one turn lie within a few milliseconds and see the machine alike. On a VM whose speed
+    changes by 4x from one second to the next (1 MiB raw all_reduce 135 us, then 550-700, then
+    135 again; benchmarks/README.md), the difference of two medians over rounds is as wide as
+    that; the median of the turns' differences is not. Each op runs after another op of the
+    turn, never after itself: it meets the caches as those leave them."""
     for op in ops.values():
         op()  # warm-up: connections, first touch of buffers
     turn = sum(float(np.median(sample(op, 3, before))) for op in ops.values())
@@ -94,7 +94,7 @@ def paired(ops: dict, args, base: str = "raw", before=None) -> dict[str, dict[st
     for t in times.values():
         COMM.Allreduce(MPI.IN_PLACE, t, op=MPI.MAX)
     return {name: {"median": float(np.median(t)), "best": float(np.min(t)), "calls": turns,
-                   "minus_base": float(np.median(t - times[base]))}
+                   "minus_base": float(np.median(t - times[base])), "times": t}
             for name, t in times.items()}
 
 

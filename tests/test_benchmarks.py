@@ -70,7 +70,7 @@ def speed():  # the machine: slower by the second, 1x at the start, 3x half a se
 ops = {"raw": lambda: spin(0.0005 * speed()),
        "slower": lambda: spin(0.0005 * speed() + 0.0003)}
 stats = timing.paired(ops, argparse.Namespace(seconds=0.5, max_calls=400))
-print(json.dumps(stats))
+print(json.dumps(stats, default=list))
 """
 
 
@@ -84,6 +84,7 @@ def test_paired_timing_recovers_a_difference_while_the_machine_changes_speed():
     assert stats["raw"]["minus_base"] == 0 and stats["raw"]["calls"] >= 5
     assert stats["slower"]["minus_base"] == pytest.approx(0.0003, abs=0.00005), stats
     assert stats["slower"]["best"] >= 0.0008
+    assert len(stats["raw"]["times"]) == stats["raw"]["calls"]
 
 
 def test_allreduce_benchmark_writes_every_table(tmp_path):
@@ -125,6 +126,7 @@ def test_allreduce_benchmark_writes_every_table(tmp_path):
                 assert row[f"{name}_goal_met"] == (
                     row["mpi_cxx_minus_raw_median_us"] <= row[f"{name}_median_us"] + 1.0)
             assert "nonblocking_minus_raw_median_us" in row
+            assert row["mpi_cxx_vs_mpi4py_in_turn"] > 0
     for stats in busy.values():
         assert 0 < stats["best"] <= stats["median"] <= stats["p90"]
     assert "between rounds of compute" in result.stdout
