@@ -27,6 +27,7 @@ import json
 import mmap
 import os
 import sys
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -67,18 +68,37 @@ def mapped(nbytes: int, huge: bool) -> tuple[mmap.mmap, torch.Tensor]:
     return region, torch.from_numpy(view.view(np.float32))
 
 
+def fallbacks() -> int:
+    """The kernel's count of faults that asked for a huge page and got 4 KiB ones, as no free
+    2 MiB was left and compaction failed (``thp_fault_fallback``, for the whole machine; 0
+    where unreadable). A full node does that: in a CI run with image builds beside it, the
+    8 MiB "huge" buffer got none (compaction failed 120 times of 150)."""
+    try:
+        for line in Path("/proc/vmstat").read_text().splitlines():
+            name, value = line.split()
+            if name == "thp_fault_fallback":
+                return int(value)
+    except OSError:
+        pass
+    return 0
+
+
 def buffers_of(nbytes: int) -> tuple[list[mmap.mmap], dict[str, torch.Tensor], dict]:
-    """A buffer of each kind of ``PAGES``, the mappings that hold them, and how many bytes of
-    each the kernel put in huge pages."""
+    """A buffer of each kind of ``PAGES``, the mappings that hold them, and for each how many
+    bytes the kernel put in huge pages (``{pages}_huge_backed_bytes``) and how many faults for
+    huge pages it answered with 4 KiB ones meanwhile (``{pages}_huge_fallbacks``)."""
     regions, buffers, backed = [], {}, {}
     for pages in PAGES:
+        before = fallbacks()
         if pages == "torch":
             buffers[pages] = torch.ones(nbytes // 4)
             buffers[pages].zero_()
         else:
             region, buffers[pages] = mapped(nbytes, pages == "huge")
             regions.append(region)
-        backed[pages] = huge_pages.backed_bytes(buffers[pages].data_ptr(), nbytes)
+        backed[f"{pages}_huge_backed_bytes"] = huge_pages.backed_bytes(
+            buffers[pages].data_ptr(), nbytes)
+        backed[f"{pages}_huge_fallbacks"] = fallbacks() - before
     return regions, buffers, backed
 
 
@@ -98,7 +118,7 @@ def table(groups: dict, args) -> list[dict]:
     for nbytes in args.sizes:
         regions, buffers, backed = buffers_of(nbytes)
         stats = measure(ops(buffers, groups), args)
-        row = {"bytes": nbytes, **{f"{p}_huge_backed_bytes": b for p, b in backed.items()}}
+        row = {"bytes": nbytes, **backed}
         for name in contenders(groups):
             for stat in ("median", "best"):
                 small = stats[f"{name}/small"][stat]

@@ -154,7 +154,9 @@ def test_huge_pages_benchmark_puts_each_kind_of_page_beside_4_kib_ones(tmp_path)
     [row] = report["allreduce"]
     assert row["bytes"] == 8 << 20 and row["small_huge_backed_bytes"] == 0  # each its own
     if report["transparent_hugepage"] in ("madvise", "always"):  # as many as free ones allow
-        assert 0 < row["huge_huge_backed_bytes"] <= 8 << 20
+        # none only where the kernel had none free: then it counted its fallbacks
+        assert (0 < row["huge_huge_backed_bytes"] <= 8 << 20
+                or row["huge_huge_fallbacks"] > 0), row
     cxx = ["mpi_cxx"] if mpi_cxx.built_path().exists() else []
     for name in [*cxx, "mpi4py", "gloo", "raw"]:
         for pages in ("huge", "torch"):
