@@ -36,7 +36,7 @@ from mpi4py import MPI
 
 from benchmarks import plots, rank_side, timing
 from benchmarks.allreduce import init_groups
-from benchmarks.front_end import one_float_call, solo_group
+from benchmarks.front_end import nonblocking, one_float_call, solo_group
 from benchmarks.timing import COMM
 from benchmarks.units import human
 from launcher.mpi import cxx as mpi_cxx
@@ -62,14 +62,8 @@ def layer_ops(nbytes: int, group: dist.ProcessGroup, solo: dist.ProcessGroup,
     backend = group._get_backend(torch.device("cpu"))
     opts = dist.AllreduceOptions()
     opts.asyncOp = False  # its default (true) hands the op to the progress thread
-
-    def nonblocking():
-        request = dup.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
-        while not request.Test():
-            pass
-
     return {"raw": lambda: COMM.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM),
-            "nonblocking": nonblocking,
+            "nonblocking": nonblocking(buf, dup),
             "backend": lambda: backend.allreduce([t], opts).wait(),
             "process_group": lambda: group.allreduce([t], opts).wait(),
             "dist": lambda: dist.all_reduce(t, group=group),

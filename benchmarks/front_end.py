@@ -54,13 +54,13 @@ def yardsticks(solo: dist.ProcessGroup, buf: np.ndarray, raw_call) -> dict:
             "raw_nonblocking": nonblocking(buf)}
 
 
-def nonblocking(buf: np.ndarray):
-    """MPI's non-blocking all_reduce polled with MPI_Test to its end, as the compiled backend
-    drives it: the part of mpi_cxx - raw that is MPI's own (its non-blocking algorithm), not
-    the backend's. mpi4py's few hundred ns per Test count in it too."""
+def nonblocking(buf: np.ndarray, comm: MPI.Intracomm = COMM):
+    """MPI's non-blocking all_reduce on ``comm`` polled with MPI_Test to its end, as the
+    compiled backend drives it: the part of mpi_cxx - raw that is MPI's own (its non-blocking
+    algorithm), not the backend's. mpi4py's few hundred ns per Test count in it too."""
 
     def run():
-        request = COMM.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+        request = comm.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
         while not request.Test():
             pass
     return run

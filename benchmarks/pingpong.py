@@ -101,6 +101,6 @@ def print_latency(latency: dict) -> None:
         cxx, pg = latency["mpi_cxx"]["vs_raw"], latency["mpi_cxx_pg"]["vs_raw"]
         wrapper = cxx - pg
         print(f"/ raw (the median of the rounds' ratios): mpi_cxx {cxx:.2f}, its ProcessGroup "
-              f"{pg:.2f} (goal <= 2); torch's "
-              f"Python dist.send/recv alone (mpi_cxx - its ProcessGroup) {wrapper:.2f}: through "
-              f"them a backend that added nothing would be at {1 + wrapper:.2f}")
+              f"{pg:.2f} (goal <= 2); torch's Python dist.send/recv alone (mpi_cxx - its "
+              f"ProcessGroup) {wrapper:.2f}: through them a backend that added nothing would be "
+              f"at {1 + wrapper:.2f}")

@@ -32,16 +32,20 @@ def parser(doc: str, rounds: int, seconds: float, max_calls: int, per: str = "si
 def sample(op, calls: int, before=None) -> np.ndarray:
     """Seconds of each of ``calls`` calls of ``op``, each the slowest rank's; ``before``, where
     given, runs untimed before each call's barrier."""
-    times = np.empty(calls)
-    for i in range(calls):
-        if before is not None:
-            before()
-        COMM.Barrier()
-        start = time.perf_counter()
-        op()
-        times[i] = time.perf_counter() - start
+    times = np.array([timed(op, before) for _ in range(calls)])
     COMM.Allreduce(MPI.IN_PLACE, times, op=MPI.MAX)
     return times
+
+
+def timed(op, before=None) -> float:
+    """Seconds of one call of ``op`` on this rank, started after a barrier; ``before``, where
+    given, runs untimed before the barrier."""
+    if before is not None:
+        before()
+    COMM.Barrier()
+    start = time.perf_counter()
+    op()
+    return time.perf_counter() - start
 
 
 def round_order(ops: dict, round_: int) -> list[str]:
@@ -85,12 +89,7 @@ def paired(ops: dict, args, base: str = "raw", before=None) -> dict[str, dict]:
     times = {name: np.empty(turns) for name in ops}
     for i in range(turns):
         for name in round_order(ops, i):
-            if before is not None:
-                before()
-            COMM.Barrier()
-            start = time.perf_counter()
-            ops[name]()
-            times[name][i] = time.perf_counter() - start
+            times[name][i] = timed(ops[name], before)
     for t in times.values():
         COMM.Allreduce(MPI.IN_PLACE, t, op=MPI.MAX)
     return {name: {"median": float(np.median(t)), "best": float(np.min(t)), "calls": turns,
